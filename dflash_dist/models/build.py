@@ -1,0 +1,64 @@
+"""Build the frozen target and the drafter's spec from the config, with the checks that need the target."""
+from __future__ import annotations
+
+import torch
+
+from dflash_dist.config import Config, ConfigError, default_target_layer_ids
+from dflash_dist.models.drafter import DFlashDrafter, DraftSpec
+from dflash_dist.models.qwen3 import TinyQwen3
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def build_target(cfg: Config, device: torch.device):
+    """The frozen target. Every rank builds it: targets run it, drafters borrow embed_tokens/lm_head."""
+    tc = cfg.model.target
+    dtype = compute_dtype(tc.dtype, device)
+    if tc.kind == "tiny":
+        model = TinyQwen3(tc)
+    else:
+        from dflash_dist.models.hf_target import load_hf_target  # optional extra: transformers
+        model = load_hf_target(tc.path, dtype=dtype, device=device)
+    model = model.to(device=device, dtype=dtype).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def draft_spec(cfg: Config, target) -> DraftSpec:
+    d, L = cfg.model.draft, target.num_layers
+    ids = list(d.target_layer_ids) or default_target_layer_ids(L, d.num_feature_layers)
+    bad = [i for i in ids if not 0 <= i < L]
+    if bad:
+        raise ConfigError(f"config key 'model.draft.target_layer_ids': {bad} outside the target's layers [0, {L - 1}]")
+    if len(set(ids)) != len(ids):
+        raise ConfigError(f"config key 'model.draft.target_layer_ids': {ids} has duplicates")
+    mask = d.mask_token_id if d.mask_token_id >= 0 else target.vocab_size - 1
+    if not 0 <= mask < target.vocab_size:
+        raise ConfigError(f"config key 'model.draft.mask_token_id': {mask} outside the vocabulary [0, {target.vocab_size})")
+    heads = d.num_heads or target.num_heads
+    kv = d.num_kv_heads or target.num_kv_heads
+    if heads % kv:
+        raise ConfigError(f"config key 'model.draft.num_kv_heads': {kv} does not divide num_heads {heads}")
+    return DraftSpec(
+        vocab_size=target.vocab_size, hidden_size=target.hidden_size,
+        intermediate_size=d.intermediate_size or target.intermediate_size, num_layers=d.num_layers,
+        num_heads=heads, num_kv_heads=kv, head_dim=d.head_dim or target.head_dim,
+        rope_theta=target.rope_theta, rms_eps=target.rms_eps, block_size=cfg.objective.block_size,
+        mask_token_id=mask, target_layer_ids=tuple(ids), num_target_layers=L)
+
+
+def build_drafter(spec: DraftSpec, target, seed: int, device: torch.device) -> DFlashDrafter:
+    """Seeded, so every drafter rank starts from the same weights (DDP also broadcasts them)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = DFlashDrafter(spec)
+    model = model.to(device)  # trained in float32; bf16 autocast on CUDA
+    model.attach_target_head(target.embed_tokens, target.lm_head)
+    return model

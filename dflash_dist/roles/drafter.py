@@ -1,0 +1,276 @@
+"""Drafter role: recv features -> DFlash loss -> backward -> DDP step, in lockstep with the other drafters.
+
+A global step is one batch per drafter: in epoch e, drafter j trains batch step*D + j. Tail rule, the
+same on every rank because it follows from the broadcast count N: when N is not a multiple of D, the
+last step has k = N mod D real batches; the D - k drafters without one run a zero-weight step (a
+forward on a one-block dummy times 0) so DDP's all-reduce still meets every rank, and the real
+drafters scale their loss by D/k so the averaged gradient is the mean over the k real batches. No
+batch is dropped and nothing waits forever; the rule is logged per epoch.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import time
+from collections import deque
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from dflash_dist import checkpoint, export
+from dflash_dist.config import loss_gamma, to_dict
+from dflash_dist.models.build import build_drafter
+from dflash_dist.monitor import Monitor, Progress, Sinks
+from dflash_dist.objective import anchor_generator, block_labels, draw_anchors, dflash_loss
+from dflash_dist.plan import build_plan, broadcast_plan, plan_kwargs
+from dflash_dist.roles.common import RunSetup, plan_digest
+from dflash_dist.transport import PendingPacket
+
+log = logging.getLogger(__name__)
+
+
+def lr_lambda(total_steps: int, warmup_ratio: float, min_ratio: float):
+    """Linear warmup then cosine decay to min_ratio, over the exact total of optimizer steps."""
+    warmup = max(1, int(round(warmup_ratio * total_steps)))
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        t = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+    return f
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for k, v in sorted(model.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class Drafter:
+    def __init__(self, run: RunSetup):
+        self.run, cfg, ctx = run, run.cfg, run.ctx
+        self.device, self.layout = ctx.device, ctx.layout
+        self.D = self.layout.num_drafters
+        self.j = self.layout.drafter_index(ctx.rank)
+        self.model = build_drafter(run.spec, run.target, cfg.model.draft.seed, self.device)
+        self.ddp = DDP(self.model, process_group=ctx.drafter_group,
+                       device_ids=[self.device] if self.device.type == "cuda" else None)
+        o = cfg.optim
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2),
+                                     weight_decay=o.weight_decay)
+        self.total_steps = sum(self.layout.num_steps(n) for n in run.epoch_counts)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.total_steps, o.warmup_ratio, o.min_lr_ratio))
+        self.gamma = loss_gamma(cfg.objective)
+        self.feat_dim = len(run.spec.target_layer_ids) * run.spec.hidden_size
+        self.feat_dtype = next(run.target.parameters()).dtype if cfg.transport.dtype == "auto" else \
+            getattr(torch, cfg.transport.dtype)
+        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" \
+            else contextlib.nullcontext()
+        self.wait_s = self.compute_s = 0.0
+        B = cfg.objective.block_size
+        self.target_counters = torch.zeros(ctx.world_size, 2, dtype=torch.float64, device=self.device)
+        self.is_rank0 = ctx.rank == 0
+        self.progress = Progress(num_epochs=cfg.train.epochs, epoch_counts=list(run.epoch_counts))
+        self.totals = {"correct": torch.zeros(B), "valid": torch.zeros(B), "loss_sum": 0.0, "weight_sum": 0.0,
+                       "accept_sum": 0.0, "blocks": 0}
+
+    # -- one batch ------------------------------------------------------------------------------
+    def _loss(self, packet, epoch: int, b: int):
+        d, cfg = packet.batch_data, self.run.cfg
+        gen = anchor_generator(cfg.train.seed, epoch, b)
+        anchors, anchor_cu = draw_anchors(d.loss_mask, d.cu_seqlens, cfg.objective.block_size,
+                                          cfg.objective.num_anchors, gen)
+        anchors, anchor_cu = anchors.to(self.device), anchor_cu.to(self.device)
+        with self.autocast:
+            logits = self.ddp(packet.features, d.input_ids, d.cu_seqlens, d.position_ids, anchors, anchor_cu)
+        labels, weights = block_labels(d.input_ids, d.loss_mask, d.cu_seqlens, anchors, anchor_cu,
+                                       cfg.objective.block_size, self.gamma)
+        return dflash_loss(logits, labels, weights)
+
+    def _idle_loss(self):
+        """A zero-weight step for a drafter without a batch in the tail step (keeps DDP in lockstep)."""
+        B = self.run.cfg.objective.block_size
+        z = torch.zeros
+        feats = z(B, self.feat_dim, dtype=self.feat_dtype, device=self.device)
+        ids = z(B, dtype=torch.long, device=self.device)
+        cu = torch.tensor([0, B], device=self.device)
+        with self.autocast:
+            logits = self.ddp(feats, ids, cu, torch.arange(B, device=self.device),
+                              z(1, dtype=torch.long, device=self.device), torch.tensor([0, 1], device=self.device))
+        return logits.float().sum() * 0.0
+
+    # -- one epoch ------------------------------------------------------------------------------
+    def run_epoch(self, epoch: int) -> None:
+        cfg, ctx, layout = self.run.cfg, self.run.ctx, self.layout
+        t0 = time.perf_counter()
+        plan = None
+        if self.is_rank0:
+            plan = build_plan(self.run.dataset.lengths, self.run.dataset.num_supervised, epoch=epoch, **plan_kwargs(cfg))
+            if len(plan) != self.run.epoch_counts[epoch]:
+                raise RuntimeError(f"epoch {epoch + 1}: plan has {len(plan)} batches, {self.run.epoch_counts[epoch]} "
+                                   "were counted at start: the plan is not a pure function of (seed, epoch)")
+        plan = broadcast_plan(plan, src=0, group=ctx.ctrl_group)
+        self.wait_s += time.perf_counter() - t0
+        n = len(plan)
+        self.skipped = dict(plan.skipped)
+        steps, idle = layout.num_steps(n), layout.tail(n)
+        log.info("epoch %d: %d batches (plan %s), %d steps; tail: %s", epoch + 1, n, plan_digest(plan), steps,
+                 f"last step has {self.D - idle} of {self.D} drafters training, {idle} idle (zero-weight, loss "
+                 f"scaled by {self.D}/{self.D - idle})" if idle else "none (count is a multiple of the drafters)")
+        p = self.progress
+        p.epoch, p.epoch_batches, p.epoch_done = epoch, n, 0
+
+        mine = list(range(self.j, n, self.D))
+        pending: deque = deque()
+        nxt = 0
+
+        def post_until(limit: int) -> None:
+            nonlocal nxt
+            while nxt < len(mine) and nxt < limit:
+                b = mine[nxt]
+                idx = plan.batch(b)
+                n_tok = int(self.run.dataset.lengths[idx].sum())
+                src = layout.route(b)[0]
+                pending.append((b, PendingPacket(src, epoch, b, n_tok, len(idx), self.feat_dim, self.feat_dtype,
+                                                 self.device)))
+                nxt += 1
+
+        B = cfg.objective.block_size
+        for step in range(steps):
+            post_until(step + cfg.transport.max_in_flight)
+            real = min(self.D, n - step * self.D)
+            t0 = time.perf_counter()
+            stats = torch.zeros(8 + 2 * B, dtype=torch.float64)
+            if step * self.D + self.j < n:
+                b, pp = pending.popleft()
+                packet = pp.wait()
+                t1 = time.perf_counter()
+                self.wait_s += t1 - t0
+                self.target_counters[pp.src, 0] = packet.sender_compute_s
+                self.target_counters[pp.src, 1] = packet.sender_wait_s
+                loss, m = self._loss(packet, epoch, b)
+                (loss * (self.D / real)).backward()
+                stats[:6] = torch.tensor([m.loss_sum, m.weight_sum, packet.batch_data.num_tokens,
+                                          packet.batch_data.num_seqs, m.accept_sum, m.num_blocks], dtype=torch.float64)
+                stats[8:8 + B], stats[8 + B:] = m.correct, m.valid
+            else:
+                t1 = t0
+                self._idle_loss().backward()
+            if cfg.optim.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
+            self.opt.step()
+            self.sched.step()
+            self.opt.zero_grad(set_to_none=True)
+            self.compute_s += time.perf_counter() - t1
+            stats[6], stats[7] = self.wait_s, self.compute_s
+            self._reduce_stats(stats, step_batches=real)
+        # Batches routed to me that were never consumed would mean a broken route.
+        assert not pending and nxt == len(mine), "drafter left packets of this epoch unreceived"
+
+    def _reduce_stats(self, stats: torch.Tensor, step_batches: int) -> None:
+        """Sum the step's metrics over drafters (and take the newest target counters) for rank 0."""
+        g = self.run.ctx.drafter_group
+        stats = stats.to(self.device)
+        dist.all_reduce(stats, group=g)
+        dist.all_reduce(self.target_counters, op=dist.ReduceOp.MAX, group=g)
+        if not self.is_rank0:
+            return
+        s, B = stats.cpu(), self.run.cfg.objective.block_size
+        t = self.totals
+        t["loss_sum"] += float(s[0]); t["weight_sum"] += float(s[1])
+        t["accept_sum"] += float(s[4]); t["blocks"] += int(s[5])
+        t["correct"] += s[8:8 + B].float(); t["valid"] += s[8 + B:].float()
+        tc = self.target_counters.cpu()
+        p = self.progress
+        # The monitor thread reads these; each is a single attribute store (atomic under the GIL).
+        p.loss = float(s[0] / max(float(s[1]), 1e-9))
+        p.acc = (s[9:8 + B] / s[9 + B:].clamp(min=1)).tolist()
+        p.accept_len = float(s[4] / max(float(s[5]), 1))
+        p.tokens += int(s[2]); p.samples += int(s[3])
+        p.drafter_wait_s, p.drafter_compute_s = float(s[6]), float(s[7])
+        p.target_compute_s, p.target_wait_s = float(tc[:, 0].sum()), float(tc[:, 1].sum())
+        p.lr = self.sched.get_last_lr()[0]
+        p.step += 1
+        p.epoch_done += step_batches
+        p.total_done += step_batches
+
+    # -- the whole run --------------------------------------------------------------------------
+    def train(self) -> dict:
+        cfg, ctx = self.run.cfg, self.run.ctx
+        run_dir = Path(cfg.train.run_dir)
+        monitor = sinks = None
+        if self.is_rank0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            sinks = Sinks(run_dir, cfg.wandb, to_dict(cfg))
+            monitor = Monitor(self.progress, sinks, cfg.monitor.interval_s, self.device).start()
+            log.info("plan: %s batches over %d epochs = %d total; %d optimizer steps on %d drafters",
+                     list(self.run.epoch_counts), cfg.train.epochs, sum(self.run.epoch_counts), self.total_steps, self.D)
+        epochs_summary = []
+        try:
+            for epoch in range(cfg.train.epochs):
+                t0 = time.time()
+                self.run_epoch(epoch)
+                if monitor is not None:
+                    rec = monitor.report(kind="epoch_end")
+                    epochs_summary.append({"epoch": epoch + 1, "batches": self.progress.epoch_batches,
+                                           "epoch_progress": rec["epoch_progress"], "time_s": round(time.time() - t0, 2),
+                                           "loss": rec["loss"]})
+            digest = self._check_replicas()
+            summary = self._finish(run_dir, epochs_summary, digest) if self.is_rank0 else {}
+            if sinks is not None:
+                sinks.write({"kind": "summary", **summary}, console=False)
+            return summary
+        finally:
+            if monitor is not None:
+                monitor.stop()
+            if sinks is not None:
+                sinks.close()
+
+    def _check_replicas(self) -> str:
+        """Every drafter's weights must be bitwise equal after DDP; compare digests over the group."""
+        digest = weights_digest(self.model)
+        mine = torch.tensor([int(digest[:15], 16)], dtype=torch.int64, device=self.device)
+        every = [torch.zeros_like(mine) for _ in range(self.D)]
+        dist.all_gather(every, mine, group=self.run.ctx.drafter_group)
+        log.info("final drafter weights digest %s", digest)
+        if len({int(x) for x in every}) != 1:
+            raise RuntimeError("drafter replicas diverged: DDP weights differ across drafter ranks")
+        if self.is_rank0:
+            log.info("drafter replicas identical: %d of %d", self.D, self.D)
+        return digest
+
+    def _finish(self, run_dir: Path, epochs_summary: list, digest: str) -> dict:
+        cfg, t, p = self.run.cfg, self.totals, self.progress
+        state = {"drafter": self.model.state_dict(), "optimizer": self.opt.state_dict(),
+                 "scheduler": self.sched.state_dict(), "rng": torch.get_rng_state(), "config": to_dict(cfg),
+                 "cursor": {"epoch": cfg.train.epochs, "batch": 0}, "step": p.step}
+        ckpt = checkpoint.save_checkpoint(run_dir, p.step, state)
+        exported = export.export_drafter(self.model, run_dir / "export") if cfg.train.export else None
+        acc = (t["correct"][1:] / t["valid"][1:].clamp(min=1)).tolist()
+        elapsed = time.time() - p.started
+        summary = {
+            "epochs": epochs_summary, "steps": p.step, "samples": p.samples, "tokens": p.tokens,
+            "time_s": round(elapsed, 2), "tok_per_s": p.tokens / max(elapsed, 1e-9),
+            "final_loss": p.loss, "mean_loss": t["loss_sum"] / max(t["weight_sum"], 1e-9),
+            "acc_per_position": [round(a, 4) for a in acc], "final_acc_per_position": [round(a, 4) for a in p.acc],
+            "final_accept_len": p.accept_len,
+            "skipped": self.skipped,
+            "checkpoint": str(ckpt), "export": str(exported) if exported else None, "weights_digest": digest,
+            "wait_targets": p.target_wait_s / max(p.target_wait_s + p.target_compute_s, 1e-9),
+            "wait_drafters": p.drafter_wait_s / max(p.drafter_wait_s + p.drafter_compute_s, 1e-9),
+        }
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        log.info("summary: %s", ", ".join(f"epoch {e['epoch']}: {e['batches']} batches" for e in epochs_summary))
+        log.info("summary: %d samples, %d tokens in %.1fs (%.0f tok/s); final loss %.3f; accuracy by position %s; "
+                 "expected acceptance length %.2f", p.samples, p.tokens, elapsed, summary["tok_per_s"], p.loss,
+                 " ".join(f"{a:.2f}" for a in p.acc), p.accept_len)
+        log.info("summary: checkpoint %s; export %s", ckpt, exported)
+        return summary

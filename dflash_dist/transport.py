@@ -1,0 +1,101 @@
+"""Feature packets from target to drafter over point-to-point isend/irecv.
+
+A packet is three contiguous tensors, sent in this order on the data backend's device:
+  header   int64 (HEADER_LEN,): magic, epoch, batch, tokens, seqs, feature dim, sender compute/wait us
+  meta     int64 (2N + S + 1,): token ids | loss mask | cu_seqlens
+  features (N, F) in the transfer dtype: the captured layers concatenated on the feature axis
+
+Every rank holds the plan, so the receiver sizes all three buffers before the bytes arrive and posts
+them ahead of need (prefetch). It checks the header before it touches the payload and raises
+PacketError naming the sender on any mismatch. A sender keeps at most `max_in_flight` packets
+outstanding per drafter: a Qwen3-8B batch is ~2 GB of features, so an unbounded queue is an OOM.
+Nothing is pickled.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dflash_dist.data.collate import PackedBatch
+
+MAGIC = 0x0DF1A5
+HEADER_LEN = 8
+
+
+class PacketError(RuntimeError):
+    pass
+
+
+@dataclass
+class Packet:
+    epoch: int
+    batch: int
+    batch_data: PackedBatch
+    features: torch.Tensor
+    sender_compute_s: float
+    sender_wait_s: float
+
+
+def _header(epoch, batch, n_tokens, n_seqs, feat_dim, compute_s=0.0, wait_s=0.0, device="cpu"):
+    return torch.tensor([MAGIC, epoch, batch, n_tokens, n_seqs, feat_dim, int(compute_s * 1e6), int(wait_s * 1e6)],
+                        dtype=torch.int64, device=device)
+
+
+class PacketSender:
+    def __init__(self, max_in_flight: int, group=None):
+        self.max_in_flight = max_in_flight
+        self.group = group
+        self.queues: dict[int, deque] = {}
+        self.wait_s = 0.0  # time blocked on the in-flight bound
+
+    def send(self, dst: int, epoch: int, batch: int, data: PackedBatch, features: torch.Tensor,
+             compute_s: float, wait_s: float) -> None:
+        q = self.queues.setdefault(dst, deque())
+        t0 = time.perf_counter()
+        while len(q) >= self.max_in_flight:
+            for w in q.popleft()[0]:
+                w.wait()
+        self.wait_s += time.perf_counter() - t0
+        dev = features.device
+        n, s = data.num_tokens, data.num_seqs
+        header = _header(epoch, batch, n, s, features.shape[1], compute_s, wait_s, dev)
+        meta = torch.cat([data.input_ids, data.loss_mask.long(), data.cu_seqlens]).to(dev)
+        tensors = (header, meta, features.contiguous())
+        works = [dist.isend(t, dst, group=self.group) for t in tensors]
+        q.append((works, tensors))  # the tensors must live until their send completes
+
+    def flush(self) -> None:
+        t0 = time.perf_counter()
+        for q in self.queues.values():
+            while q:
+                for w in q.popleft()[0]:
+                    w.wait()
+        self.wait_s += time.perf_counter() - t0
+
+
+class PendingPacket:
+    def __init__(self, src, epoch, batch, n_tokens, n_seqs, feat_dim, dtype, device, group=None):
+        self.src, self.expect = src, (MAGIC, epoch, batch, n_tokens, n_seqs, feat_dim)
+        self.header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
+        self.meta = torch.empty(2 * n_tokens + n_seqs + 1, dtype=torch.int64, device=device)
+        self.features = torch.empty(n_tokens, feat_dim, dtype=dtype, device=device)
+        self.works = [dist.irecv(t, src, group=group) for t in (self.header, self.meta, self.features)]
+
+    def wait(self) -> Packet:
+        self.works[0].wait()
+        got = tuple(int(x) for x in self.header[:6].tolist())
+        if got != self.expect:
+            names = ("magic", "epoch", "batch", "tokens", "seqs", "feature_dim")
+            diff = ", ".join(f"{k}: expected {e}, got {g}" for k, e, g in zip(names, self.expect, got) if e != g)
+            raise PacketError(f"packet from target rank {self.src} does not match the plan ({diff}); "
+                              "refusing to train on the wrong batch")
+        for w in self.works[1:]:
+            w.wait()
+        n, s = self.expect[3], self.expect[4]
+        data = PackedBatch(self.meta[:n], self.meta[n:2 * n].bool(), self.meta[2 * n:])
+        compute_us, wait_us = self.header[6:8].tolist()
+        return Packet(self.expect[1], self.expect[2], data, self.features, compute_us / 1e6, wait_us / 1e6)
