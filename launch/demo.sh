@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up, then run the embedded default job: NPROC ranks (default 3: 1 drafter + 2 targets) on this
+# machine, gloo on CPU or NCCL on GPUs. Extra arguments are key=value overrides or --config FILE.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash launch/setup.sh
+exec bash launch/run.sh "$@"

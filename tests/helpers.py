@@ -1,0 +1,37 @@
+"""Shared test helpers: run the real entry point under torchrun with a hard timeout."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+# A small, fast job: every multi-process test starts from this and adds its own overrides.
+TINY = [
+    "wandb.mode=disabled", "monitor.interval_s=0.2", "train.epochs=3", "data.synthetic.num_samples=160",
+    "data.synthetic.min_len=20", "data.synthetic.max_len=120", "plan.token_budget=1024", "plan.max_seqs=16",
+    "objective.num_anchors=4", "dist.timeout_s=60",
+]
+
+
+def torchrun(nproc: int, overrides: list[str], run_dir: Path, timeout: float = 150, env: dict | None = None):
+    cmd = TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", "-m", "dflash_dist.train",
+                      *TINY, f"train.run_dir={run_dir}", *overrides]
+    e = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e)
+
+
+def epoch_lines(log: str) -> dict[int, list[tuple[int, str]]]:
+    """rank -> [(batches, plan digest)] per epoch, from 'epoch E: N batches (plan D)' lines."""
+    out: dict[int, list[tuple[int, str]]] = {}
+    for m in re.finditer(r"\[rank(\d+) \w+\] \S+: epoch (\d+): (\d+) batches \(plan (\w+)\)", log):
+        out.setdefault(int(m.group(1)), []).append((int(m.group(3)), m.group(4)))
+    return out
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

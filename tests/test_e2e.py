@@ -1,0 +1,76 @@
+"""The real entry point under torchrun: 3 ranks (2 targets + 1 drafter) and 4 ranks (2 + 2)."""
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from helpers import TORCHRUN, epoch_lines, metrics, torchrun
+
+
+def check_run(res, run_dir, nproc, drafters):
+    log = res.stdout + res.stderr
+    assert res.returncode == 0, log[-4000:]
+    per_rank = epoch_lines(log)
+    assert sorted(per_rank) == list(range(nproc)), "every rank logs every epoch's count"
+    first = per_rank[0]
+    assert len(first) == 3
+    for rank, seen in per_rank.items():
+        assert seen == first, f"rank {rank} saw another plan: {seen} vs {first}"
+    # The monitor's epoch progress ends at exactly 100% of the count broadcast for that epoch.
+    recs = metrics(run_dir)
+    ends = [r for r in recs if r.get("kind") == "epoch_end"]
+    assert [r["batches_per_epoch"] for r in ends] == [n for n, _ in first]
+    assert all(r["batch"] == r["batches_per_epoch"] and r["epoch_progress"] == 1.0 for r in ends)
+    assert ends[-1]["total_progress"] == 1.0
+    # Progress lines during the run are measured against the same broadcast counts.
+    for r in recs:
+        if r.get("kind") == "progress":
+            assert r["batches_per_epoch"] == first[r["epoch"] - 1][0]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [e["batches"] for e in summary["epochs"]] == [n for n, _ in first]
+    assert summary["samples"] == 3 * 160  # every sample once per epoch (none skipped in this corpus)
+    assert (run_dir / "export" / "model.safetensors").is_file() and (run_dir / "export" / "config.json").is_file()
+    assert list((run_dir / "checkpoints").glob("step-*/drafter.pt"))
+    digests = re.findall(r"\[rank(\d+) drafter\] \S+: final drafter weights digest (\w+)", log)
+    assert len(digests) == drafters and len({d for _, d in digests}) == 1, digests
+    return log, first, summary
+
+
+def test_three_ranks_two_targets_one_drafter(tmp_path):
+    res = torchrun(3, [], tmp_path)
+    log, counts, summary = check_run(res, tmp_path, 3, 1)
+    assert len({n for n, _ in counts}) > 1, f"batch counts should differ across epochs: {counts}"
+    recs = [r for r in metrics(tmp_path) if r.get("kind") in ("progress", "epoch_end")]
+    assert recs[-1]["loss"] < recs[0]["loss"], "the loss must fall"
+    assert re.search(r"epoch 1/3  batch \d+/\d+ \(\d+%\)  total \d+%  .* tok/s  ETA .* loss .* acc@1 .* wait: targets", log)
+
+
+def test_four_ranks_two_drafters_ddp_and_tail(tmp_path):
+    # 40 batches in an epoch would split evenly; the counts here are odd in some epoch (checked below).
+    res = torchrun(4, ["roles.drafters_per_node=2"], tmp_path)
+    log, counts, _ = check_run(res, tmp_path, 4, 2)
+    odd = [n for n, _ in counts if n % 2]
+    assert odd, f"want an epoch whose count is not a multiple of the drafters: {counts}"
+    assert "last step has 1 of 2 drafters training, 1 idle" in log
+
+
+def test_one_rank_is_a_clear_error(tmp_path):
+    res = torchrun(1, [], tmp_path, timeout=60)
+    assert res.returncode != 0
+    assert "needs at least 2 ranks" in res.stderr + res.stdout
+
+
+def test_config_error_exits_2_on_every_rank_before_any_group_forms(tmp_path):
+    res = torchrun(3, ["plan.token_bugdet=10"], tmp_path, timeout=60)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0 and "plan.token_bugdet" in out
+    assert "exitcode  : 2" in out or "exit code 2" in out.lower() or "exitcode: 2" in out.replace(" ", "")
+
+
+def test_more_drafters_than_targets(tmp_path):
+    res = torchrun(4, ["roles.drafters_per_node=3", "train.epochs=1"], tmp_path)
+    log = res.stdout + res.stderr
+    assert res.returncode == 0, log[-3000:]
+    assert len(set(re.findall(r"final drafter weights digest (\w+)", log))) == 1
