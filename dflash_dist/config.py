@@ -115,6 +115,8 @@ class TransportConfig:
 class DistConfig:
     backend: str = "auto"  # auto: nccl with CUDA, gloo otherwise
     timeout_s: float = 120.0
+    heartbeat_s: float = 1.0
+    dead_after_s: float = 15.0  # a peer whose heartbeat is older than this is reported dead
 
 
 @dataclass
@@ -135,6 +137,11 @@ class TrainConfig:
     seed: int = 0  # plan shuffle and anchor draws
     run_dir: str = "runs/default"
     export: bool = True
+    resume: str = "auto"  # auto: newest complete checkpoint of run_dir; none; or a checkpoint directory
+    checkpoint_every_steps: int = 0  # 0 = off
+    checkpoint_every_min: float = 0.0  # 0 = off
+    keep_last: int = 3  # checkpoints kept (0 = all)
+    sync_every: int = 4  # steps between stop agreements (>= transport.max_in_flight)
 
 
 @dataclass
@@ -221,6 +228,14 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'objective.block_size': must be >= 2, got {cfg.objective.block_size}")
     if cfg.roles.drafters_per_node < 1:
         raise ConfigError("config key 'roles.drafters_per_node': must be >= 1")
+    if cfg.train.sync_every < cfg.transport.max_in_flight:
+        raise ConfigError("config key 'train.sync_every': must be >= transport.max_in_flight "
+                          f"({cfg.train.sync_every} < {cfg.transport.max_in_flight})")
+    for key in ("train.checkpoint_every_steps", "train.keep_last", "train.checkpoint_every_min"):
+        if _get(cfg, key) < 0:
+            raise ConfigError(f"config key '{key}': must be >= 0")
+    if not 0 < cfg.dist.heartbeat_s < cfg.dist.dead_after_s:
+        raise ConfigError("config key 'dist.dead_after_s': must exceed dist.heartbeat_s > 0")
     if cfg.plan.max_anchors < 0:
         raise ConfigError("config key 'plan.max_anchors': must be >= 0")
     s = cfg.data.synthetic

@@ -103,3 +103,23 @@ def teardown() -> None:
             dist.destroy_process_group()
         except Exception as exc:  # a peer may be gone already; we are exiting anyway
             log.warning("destroy_process_group failed: %s", exc)
+
+
+def agree_on_failure(ctx: DistContext, failure: BaseException | None) -> None:
+    """Collective over the control group: if any rank failed its local checks, every rank raises
+    ConfigError with the first failing rank's message, instead of the others timing out later."""
+    from dflash_dist.config import ConfigError
+
+    flags = torch.zeros(ctx.world_size, dtype=torch.int64)
+    flags[ctx.rank] = int(failure is not None)
+    dist.all_reduce(flags, group=ctx.ctrl_group)
+    if not flags.any():
+        return
+    first = int(torch.nonzero(flags)[0])
+    msg = torch.zeros(4096, dtype=torch.uint8)
+    if ctx.rank == first:
+        raw = str(failure).encode()[:4096]
+        msg[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    dist.broadcast(msg, src=first, group=ctx.ctrl_group)
+    text = bytes(msg[msg != 0].tolist()).decode(errors="replace")
+    raise ConfigError(f"rank {first} ({ctx.layout.role(first)}) cannot start: {text}")

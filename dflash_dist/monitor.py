@@ -42,6 +42,9 @@ class Progress:
     target_wait_s: float = 0.0  # summed over targets (from packet headers)
     target_compute_s: float = 0.0
     started: float = field(default_factory=time.time)
+    resumed_done: int = 0  # batches / tokens done before this process started (resume)
+    resumed_tokens: int = 0
+    resumed_samples: int = 0
 
     @property
     def total_batches(self) -> int:
@@ -68,9 +71,10 @@ def snapshot(p: Progress, device: torch.device) -> dict:
         "epoch_progress": p.epoch_done / p.epoch_batches if p.epoch_batches else 0.0,
         "total_progress": p.total_done / total if total else 0.0, "step": p.step,
         "tokens": p.tokens, "samples": p.samples,
-        "tok_per_s": p.tokens / elapsed if elapsed > 0 else 0.0,
-        "samples_per_s": p.samples / elapsed if elapsed > 0 else 0.0,
-        "eta_s": elapsed * (total - p.total_done) / p.total_done if p.total_done else float("inf"),
+        "tok_per_s": (p.tokens - p.resumed_tokens) / elapsed if elapsed > 0 else 0.0,
+        "samples_per_s": (p.samples - p.resumed_samples) / elapsed if elapsed > 0 else 0.0,
+        "eta_s": elapsed * (total - p.total_done) / (p.total_done - p.resumed_done)
+        if p.total_done > p.resumed_done else float("inf"),
         "loss": p.loss, "acc": list(p.acc), "accept_len": p.accept_len, "lr": p.lr,
         "wait_targets": _frac(p.target_wait_s, p.target_compute_s),
         "wait_drafters": _frac(p.drafter_wait_s, p.drafter_compute_s),

@@ -35,3 +35,53 @@ def epoch_lines(log: str) -> dict[int, list[tuple[int, str]]]:
 
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def torchrun_cmd(nproc: int, overrides: list[str], run_dir: Path) -> list[str]:
+    return TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", "-m", "dflash_dist.train",
+                       *TINY, f"train.run_dir={run_dir}", *overrides]
+
+
+def start_torchrun(nproc: int, overrides: list[str], run_dir: Path, log_path: Path) -> subprocess.Popen:
+    e = dict(os.environ, OMP_NUM_THREADS="1")
+    f = open(log_path, "w")
+    return subprocess.Popen(torchrun_cmd(nproc, overrides, run_dir), stdout=f, stderr=subprocess.STDOUT, env=e)
+
+
+def wait_for(pred, timeout: float, what: str, poll: float = 0.1):
+    import time
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def progress_step(run_dir: Path) -> int:
+    try:
+        recs = metrics(run_dir)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return 0
+    return max((r.get("step", 0) for r in recs), default=0)
+
+
+def worker_pids(agent_pid: int) -> dict[int, int]:
+    """rank -> pid of the workers of a torchrun agent."""
+    import psutil
+    out = {}
+    for c in psutil.Process(agent_pid).children(recursive=True):
+        try:
+            env = c.environ()
+        except psutil.Error:
+            continue
+        if "RANK" in env and "LOCAL_RANK" in env:
+            out[int(env["RANK"])] = c.pid
+    return out
+
+
+def final_digest(log: str) -> str:
+    found = set(re.findall(r"final drafter weights digest (\w+)", log))
+    assert len(found) == 1, found
+    return found.pop()

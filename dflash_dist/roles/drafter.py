@@ -28,8 +28,10 @@ from dflash_dist.models.build import build_drafter
 from dflash_dist.monitor import Monitor, Progress, Sinks
 from dflash_dist.objective import anchor_generator, block_labels, draw_anchors, dflash_loss
 from dflash_dist.plan import build_plan, broadcast_plan, plan_kwargs
-from dflash_dist.roles.common import RunSetup, plan_digest
-from dflash_dist.transport import PendingPacket
+from dflash_dist.checkpoint import Cursor
+from dflash_dist.roles.common import RoleResult, RunSetup, plan_digest, start_step
+from dflash_dist.stop import StopAgreement
+from dflash_dist.transport import PacketError, PendingPacket
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +80,7 @@ class Drafter:
         B = cfg.objective.block_size
         self.target_counters = torch.zeros(ctx.world_size, 2, dtype=torch.float64, device=self.device)
         self.is_rank0 = ctx.rank == 0
+        self._last_save = time.time()
         self.progress = Progress(num_epochs=cfg.train.epochs, epoch_counts=list(run.epoch_counts))
         self.totals = {"correct": torch.zeros(B), "valid": torch.zeros(B), "loss_sum": 0.0, "weight_sum": 0.0,
                        "accept_sum": 0.0, "blocks": 0}
@@ -108,7 +111,8 @@ class Drafter:
         return logits.float().sum() * 0.0
 
     # -- one epoch ------------------------------------------------------------------------------
-    def run_epoch(self, epoch: int) -> None:
+    def run_epoch(self, epoch: int) -> Cursor | None:
+        """Train the epoch from its start step; returns the cursor where a requested stop happened."""
         cfg, ctx, layout = self.run.cfg, self.run.ctx, self.layout
         t0 = time.perf_counter()
         plan = None
@@ -119,39 +123,47 @@ class Drafter:
                                    "were counted at start: the plan is not a pure function of (seed, epoch)")
         plan = broadcast_plan(plan, src=0, group=ctx.ctrl_group)
         self.wait_s += time.perf_counter() - t0
-        n = len(plan)
+        n, start = len(plan), start_step(self.run, epoch)
         self.skipped = dict(plan.skipped)
         steps, idle = layout.num_steps(n), layout.tail(n)
-        log.info("epoch %d: %d batches (plan %s), %d steps; tail: %s", epoch + 1, n, plan_digest(plan), steps,
+        log.info("epoch %d: %d batches (plan %s), %d steps%s; tail: %s", epoch + 1, n, plan_digest(plan), steps,
+                 f", resuming at step {start}" if start else "",
                  f"last step has {self.D - idle} of {self.D} drafters training, {idle} idle (zero-weight, loss "
                  f"scaled by {self.D}/{self.D - idle})" if idle else "none (count is a multiple of the drafters)")
         p = self.progress
-        p.epoch, p.epoch_batches, p.epoch_done = epoch, n, 0
+        p.epoch, p.epoch_batches, p.epoch_done = epoch, n, min(n, start * self.D)
 
-        mine = list(range(self.j, n, self.D))
+        S, M = cfg.train.sync_every, cfg.transport.max_in_flight
+        agree = StopAgreement(self.run.stop_flag, ctx.ctrl_group)
         pending: deque = deque()
-        nxt = 0
+        nxt = start  # next step whose packet is not posted yet
 
         def post_until(limit: int) -> None:
             nonlocal nxt
-            while nxt < len(mine) and nxt < limit:
-                b = mine[nxt]
-                idx = plan.batch(b)
-                n_tok = int(self.run.dataset.lengths[idx].sum())
-                src = layout.route(b)[0]
-                pending.append((b, PendingPacket(src, epoch, b, n_tok, len(idx), self.feat_dim, self.feat_dtype,
-                                                 self.device)))
+            while nxt < min(limit, steps):
+                k = (nxt - start) // S
+                if k >= 1 and agree.decided(k):
+                    return  # everyone stops at boundary k: nothing past it will be sent
+                b = nxt * self.D + self.j
+                if b < n:
+                    idx = plan.batch(b)
+                    n_tok = int(self.run.dataset.lengths[idx].sum())
+                    pending.append((b, PendingPacket(layout.route(b)[0], epoch, b, n_tok, len(idx), self.feat_dim,
+                                                     self.feat_dtype, self.device)))
                 nxt += 1
 
         B = cfg.objective.block_size
-        for step in range(steps):
-            post_until(step + cfg.transport.max_in_flight)
+        for step in range(start, steps):
+            if step > start and (step - start) % S == 0 and agree.boundary((step - start) // S):
+                assert not pending, "packets were posted past an agreed stop"
+                return Cursor(epoch, step)
+            post_until(step + M)
             real = min(self.D, n - step * self.D)
             t0 = time.perf_counter()
             stats = torch.zeros(8 + 2 * B, dtype=torch.float64)
             if step * self.D + self.j < n:
                 b, pp = pending.popleft()
-                packet = pp.wait()
+                packet = self._wait_packet(pp, b)
                 t1 = time.perf_counter()
                 self.wait_s += t1 - t0
                 self.target_counters[pp.src, 0] = packet.sender_compute_s
@@ -172,8 +184,20 @@ class Drafter:
             self.compute_s += time.perf_counter() - t1
             stats[6], stats[7] = self.wait_s, self.compute_s
             self._reduce_stats(stats, step_batches=real)
+            self._maybe_checkpoint(Cursor(epoch, step + 1) if step + 1 < steps else Cursor(epoch + 1, 0))
         # Batches routed to me that were never consumed would mean a broken route.
-        assert not pending and nxt == len(mine), "drafter left packets of this epoch unreceived"
+        assert not pending and nxt == steps, "drafter left packets of this epoch unreceived"
+        if agree.finish() and epoch + 1 < cfg.train.epochs:
+            return Cursor(epoch + 1, 0)
+        return None
+
+    def _wait_packet(self, pp: PendingPacket, b: int):
+        try:
+            return pp.wait()
+        except PacketError:
+            raise
+        except Exception as exc:  # the backend's error says "connection closed", not who is gone
+            raise RuntimeError(f"lost target rank {pp.src} while receiving batch {b}: {exc}") from exc
 
     def _reduce_stats(self, stats: torch.Tensor, step_batches: int) -> None:
         """Sum the step's metrics over drafters (and take the newest target counters) for rank 0."""
@@ -202,10 +226,52 @@ class Drafter:
         p.epoch_done += step_batches
         p.total_done += step_batches
 
+    # -- state ----------------------------------------------------------------------------------
+    def _state(self, cursor: Cursor) -> tuple[dict, dict]:
+        p = self.progress
+        state = {"drafter": self.model.state_dict(), "optimizer": self.opt.state_dict(),
+                 "scheduler": self.sched.state_dict(), "rng": torch.get_rng_state(),
+                 "progress": {"step": p.step, "tokens": p.tokens, "samples": p.samples, "total_done": p.total_done},
+                 "totals": self.totals}
+        meta = {"cursor": {"epoch": cursor.epoch, "step": cursor.step}, "step": p.step, "num_drafters": self.D,
+                "config": to_dict(self.run.cfg), "epoch_counts": list(self.run.epoch_counts), "time": time.time()}
+        return state, meta
+
+    def _load(self, path: Path) -> None:
+        st = checkpoint.load_state(path)
+        self.model.load_state_dict(st["drafter"])
+        self.opt.load_state_dict(st["optimizer"])
+        self.sched.load_state_dict(st["scheduler"])
+        torch.set_rng_state(st["rng"])
+        p, pr = self.progress, st["progress"]
+        p.step, p.tokens, p.samples, p.total_done = pr["step"], pr["tokens"], pr["samples"], pr["total_done"]
+        p.resumed_done, p.resumed_tokens, p.resumed_samples = p.total_done, p.tokens, p.samples
+        self.totals = st["totals"]
+        log.info("resumed from %s at epoch %d step %d (optimizer step %d)", path, self.run.cursor.epoch + 1,
+                 self.run.cursor.step, p.step)
+
+    def _save(self, cursor: Cursor) -> Path:
+        state, meta = self._state(cursor)
+        self._last_save = time.time()
+        return checkpoint.save_checkpoint(Path(self.run.cfg.train.run_dir), self.progress.step, state, meta,
+                                          keep_last=self.run.cfg.train.keep_last)
+
+    def _maybe_checkpoint(self, cursor: Cursor) -> None:
+        """Periodic saves, rank 0 only (replicas are identical), so no agreement is needed."""
+        t = self.run.cfg.train
+        if not self.is_rank0:
+            return
+        due_steps = t.checkpoint_every_steps > 0 and self.progress.step % t.checkpoint_every_steps == 0
+        due_time = t.checkpoint_every_min > 0 and time.time() - self._last_save >= 60 * t.checkpoint_every_min
+        if due_steps or due_time:
+            self._save(cursor)
+
     # -- the whole run --------------------------------------------------------------------------
-    def train(self) -> dict:
-        cfg, ctx = self.run.cfg, self.run.ctx
+    def train(self) -> RoleResult:
+        cfg = self.run.cfg
         run_dir = Path(cfg.train.run_dir)
+        if self.run.resume_from is not None:
+            self._load(self.run.resume_from)
         monitor = sinks = None
         if self.is_rank0:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -215,24 +281,36 @@ class Drafter:
                      list(self.run.epoch_counts), cfg.train.epochs, sum(self.run.epoch_counts), self.total_steps, self.D)
         epochs_summary = []
         try:
-            for epoch in range(cfg.train.epochs):
+            for epoch in range(self.run.cursor.epoch, cfg.train.epochs):
                 t0 = time.time()
-                self.run_epoch(epoch)
-                if monitor is not None:
+                stopped_at = self.run_epoch(epoch)
+                if monitor is not None and (stopped_at is None or stopped_at.epoch > epoch):
                     rec = monitor.report(kind="epoch_end")
                     epochs_summary.append({"epoch": epoch + 1, "batches": self.progress.epoch_batches,
                                            "epoch_progress": rec["epoch_progress"], "time_s": round(time.time() - t0, 2),
                                            "loss": rec["loss"]})
+                if stopped_at is not None:
+                    return self._stop(stopped_at, monitor)
             digest = self._check_replicas()
             summary = self._finish(run_dir, epochs_summary, digest) if self.is_rank0 else {}
             if sinks is not None:
                 sinks.write({"kind": "summary", **summary}, console=False)
-            return summary
+            return RoleResult(False, Cursor(cfg.train.epochs, 0), summary)
         finally:
             if monitor is not None:
                 monitor.stop()
             if sinks is not None:
                 sinks.close()
+
+    def _stop(self, cursor: Cursor, monitor) -> RoleResult:
+        flag = self.run.stop_flag
+        path = self._save(cursor) if self.is_rank0 else None
+        if monitor is not None:
+            monitor.report(kind="stopped")
+        since = time.time() - flag.requested_at if flag.requested_at else float("nan")
+        log.warning("stopped on request at epoch %d step %d (%.1fs after the signal here); %s", cursor.epoch + 1,
+                    cursor.step, since, f"saved {path}" if path else "rank 0 saved the checkpoint")
+        return RoleResult(True, cursor, {"checkpoint": str(path) if path else None})
 
     def _check_replicas(self) -> str:
         """Every drafter's weights must be bitwise equal after DDP; compare digests over the group."""
@@ -249,16 +327,13 @@ class Drafter:
 
     def _finish(self, run_dir: Path, epochs_summary: list, digest: str) -> dict:
         cfg, t, p = self.run.cfg, self.totals, self.progress
-        state = {"drafter": self.model.state_dict(), "optimizer": self.opt.state_dict(),
-                 "scheduler": self.sched.state_dict(), "rng": torch.get_rng_state(), "config": to_dict(cfg),
-                 "cursor": {"epoch": cfg.train.epochs, "batch": 0}, "step": p.step}
-        ckpt = checkpoint.save_checkpoint(run_dir, p.step, state)
+        ckpt = self._save(Cursor(cfg.train.epochs, 0))
         exported = export.export_drafter(self.model, run_dir / "export") if cfg.train.export else None
         acc = (t["correct"][1:] / t["valid"][1:].clamp(min=1)).tolist()
         elapsed = time.time() - p.started
         summary = {
             "epochs": epochs_summary, "steps": p.step, "samples": p.samples, "tokens": p.tokens,
-            "time_s": round(elapsed, 2), "tok_per_s": p.tokens / max(elapsed, 1e-9),
+            "time_s": round(elapsed, 2), "tok_per_s": (p.tokens - p.resumed_tokens) / max(elapsed, 1e-9),
             "final_loss": p.loss, "mean_loss": t["loss_sum"] / max(t["weight_sum"], 1e-9),
             "acc_per_position": [round(a, 4) for a in acc], "final_acc_per_position": [round(a, 4) for a in p.acc],
             "final_accept_len": p.accept_len,

@@ -1,4 +1,8 @@
-"""Target role: for each batch routed to me, collate -> frozen forward -> capture -> send to its drafter."""
+"""Target role: for each batch routed to me, collate -> frozen forward -> capture -> send to its drafter.
+
+Batches are handled in increasing b, in windows of `train.sync_every` global steps; between windows
+the rank takes part in the stop agreement (stop.py), exactly where the drafters do.
+"""
 from __future__ import annotations
 
 import logging
@@ -6,28 +10,52 @@ import time
 
 import torch
 
+from dflash_dist.checkpoint import Cursor
 from dflash_dist.data.collate import collate
 from dflash_dist.models.build import compute_dtype
 from dflash_dist.plan import broadcast_plan
-from dflash_dist.roles.common import RunSetup, plan_digest
+from dflash_dist.roles.common import RoleResult, RunSetup, plan_digest, start_step
+from dflash_dist.stop import StopAgreement
 from dflash_dist.transport import PacketSender
 
 log = logging.getLogger(__name__)
 
 
-def run_target(run: RunSetup) -> dict:
+def run_target(run: RunSetup) -> RoleResult:
     cfg, ctx, target, spec = run.cfg, run.ctx, run.target, run.spec
     layout, device = ctx.layout, ctx.device
+    D, S = layout.num_drafters, cfg.train.sync_every
     dtype = compute_dtype(cfg.transport.dtype, device) if cfg.transport.dtype != "auto" else next(target.parameters()).dtype
     sender = PacketSender(cfg.transport.max_in_flight)
     compute_s, plan_wait_s, sent = 0.0, 0.0, 0
-    for epoch in range(cfg.train.epochs):
+
+    def stats() -> dict:
+        wait_s = sender.wait_s + plan_wait_s
+        return {"packets": sent, "compute_s": compute_s, "wait_s": wait_s}
+
+    for epoch in range(run.cursor.epoch, cfg.train.epochs):
         t0 = time.perf_counter()
         plan = broadcast_plan(None, src=0, group=ctx.ctrl_group)
         plan_wait_s += time.perf_counter() - t0
-        mine = layout.batches_of(ctx.rank, len(plan))
-        log.info("epoch %d: %d batches (plan %s), %d routed to me", epoch + 1, len(plan), plan_digest(plan), len(mine))
-        for b in mine:
+        n, start = len(plan), start_step(run, epoch)
+        steps = layout.num_steps(n)
+        mine = [b for b in layout.batches_of(ctx.rank, n) if b // D >= start]
+        log.info("epoch %d: %d batches (plan %s), %d routed to me%s", epoch + 1, n, plan_digest(plan), len(mine),
+                 f", resuming at step {start}" if start else "")
+        agree = StopAgreement(run.stop_flag, ctx.ctrl_group)
+        k = 1
+        for b in mine + [None]:
+            # Pass every boundary before this batch's step (all of them after the last batch).
+            while start + k * S < steps and (b is None or b // D >= start + k * S):
+                t0 = time.perf_counter()
+                stop = agree.boundary(k)
+                plan_wait_s += time.perf_counter() - t0
+                if stop:
+                    sender.flush()
+                    return RoleResult(True, Cursor(epoch, start + k * S), stats())
+                k += 1
+            if b is None:
+                break
             t0 = time.perf_counter()
             batch = collate(run.dataset, plan.batch(b)).to(device)
             feats, _ = target.capture(batch.input_ids, batch.cu_seqlens, batch.position_ids, spec.target_layer_ids)
@@ -37,8 +65,14 @@ def run_target(run: RunSetup) -> dict:
             compute_s += time.perf_counter() - t0
             sender.send(layout.route(b)[1], epoch, b, batch, feats, compute_s, sender.wait_s + plan_wait_s)
             sent += 1
+        t0 = time.perf_counter()
+        stop = agree.finish()
+        plan_wait_s += time.perf_counter() - t0
+        if stop and epoch + 1 < cfg.train.epochs:
+            sender.flush()
+            return RoleResult(True, Cursor(epoch + 1, 0), stats())
     sender.flush()
-    wait_s = sender.wait_s + plan_wait_s
-    log.info("done: %d packets sent, compute %.1fs, waiting %.1fs (%.0f%%)", sent, compute_s, wait_s,
-             100 * wait_s / max(compute_s + wait_s, 1e-9))
-    return {"packets": sent, "compute_s": compute_s, "wait_s": wait_s}
+    s = stats()
+    log.info("done: %d packets sent, compute %.1fs, waiting %.1fs (%.0f%%)", sent, compute_s, s["wait_s"],
+             100 * s["wait_s"] / max(compute_s + s["wait_s"], 1e-9))
+    return RoleResult(False, Cursor(cfg.train.epochs, 0), s)

@@ -1,0 +1,96 @@
+"""Dead peers: heartbeats in the rendezvous store and a watchdog that ends a rank whose peer went silent.
+
+A blocked send/recv or collective has no idea which peer is gone, and under NCCL it may block until
+the process-group timeout. So every rank runs one thread that (1) bumps its own counter key in the
+c10d store every `heartbeat_s`, and (2) reads every other rank's key: a counter that has not moved for
+`dead_after_s` (measured on this rank's clock, so clocks need not agree), or a rank that marked itself
+failed, ends this process with an error naming that rank and its role. A rank that finished cleanly
+marks itself done and is never reported. The thread uses only the store, never a collective.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+EXIT_PEER_LOST = 3
+DONE, FAILED = "done", "failed:"
+
+
+class Liveness:
+    def __init__(self, rank: int, world: int, role_of, heartbeat_s: float, dead_after_s: float, store=None):
+        self.rank, self.world, self.role_of = rank, world, role_of
+        self.heartbeat_s, self.dead_after_s = heartbeat_s, dead_after_s
+        self.store = store if store is not None else dist.distributed_c10d._get_default_store()
+        self.prefix = f"dflash/hb/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        self._stop = threading.Event()
+        self._beats = 0
+        self._thread = threading.Thread(target=self._run, name="dflash-liveness", daemon=True)
+        self.store.set(self._key(rank), "0")
+
+    def _key(self, r: int) -> str:
+        return f"{self.prefix}{r}"
+
+    def start(self) -> "Liveness":
+        """Call after a collective that follows every rank's first heartbeat (so all keys exist)."""
+        self._thread.start()
+        return self
+
+    def mark(self, status: str) -> None:
+        """DONE on a clean exit, FAILED + reason on an error: peers stop waiting for us at once."""
+        self._stop.set()
+        try:
+            self.store.set(self._key(self.rank), status[:500])
+        except Exception:  # the store may be gone with its host; nothing left to tell
+            pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2 * self.heartbeat_s + 1)
+
+    def await_verdict(self, seconds: float) -> None:
+        """Sleep while the watchdog looks for a dead peer; it ends the process if it finds one."""
+        deadline = time.monotonic() + seconds
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    def _run(self) -> None:
+        last: dict[int, tuple[str, float]] = {}
+        peers = [r for r in range(self.world) if r != self.rank]
+        keys = [self._key(r) for r in peers]
+        while not self._stop.wait(self.heartbeat_s):
+            self._beats += 1
+            try:
+                self.store.set(self._key(self.rank), str(self._beats))
+                values = [v.decode() for v in self.store.multi_get(keys)]
+            except Exception as exc:
+                if self._stop.is_set():
+                    return
+                self._die(f"lost the rendezvous store ({exc}); its host (the torchrun agent of the first node) is gone")
+            now = time.monotonic()
+            for r, v in zip(peers, values):
+                if v.startswith(FAILED):
+                    self._die(f"rank {r} ({self.role_of(r)}) failed: {v[len(FAILED):]}")
+                if v == DONE:
+                    continue
+                if r not in last or last[r][0] != v:
+                    last[r] = (v, now)
+                elif now - last[r][1] > self.dead_after_s:
+                    self._die(f"rank {r} ({self.role_of(r)}) went silent: no heartbeat for "
+                              f"{now - last[r][1]:.1f}s (dist.dead_after_s={self.dead_after_s})")
+
+    def _die(self, why: str) -> None:
+        if self._stop.is_set():
+            return  # we are finishing anyway
+        log.error("%s; exiting instead of waiting on it", why)
+        for h in logging.getLogger().handlers:
+            h.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_PEER_LOST)

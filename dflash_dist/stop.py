@@ -1,0 +1,89 @@
+"""Preemption: a signal sets a local flag; the ranks agree on a stop point at a step boundary.
+
+A rank blocked inside a recv cannot run a Python signal handler, so the handler only sets a flag and
+the agreement happens in band, on the gloo control group, at fixed points every rank reaches in the
+same order: the start of the epoch (or of the resumed part of it) and every `sync_every` global steps.
+
+At boundary k each rank waits for the all-reduce(MAX) it issued at boundary k-1 (its result is the
+decision for boundary k), then issues the next one. The wait costs nothing in steady state: a target
+reaches boundary k long after every drafter issued k-1, because targets run at most max_in_flight
+(<= sync_every) steps ahead. A drafter that prefetches into window k needs decision k early: it
+resolves it as soon as it first posts a recv past the boundary, which is after it issued k-1 itself.
+So a signal stops the run within about two windows, at a step boundary that every rank agrees on.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+EXIT_RESUME = 75  # EX_TEMPFAIL: "stopped on request, state saved, requeue and resume me"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
+
+
+class StopFlag:
+    def __init__(self) -> None:
+        self.requested = False
+        self.signal_name = ""
+        self.requested_at = 0.0
+
+    def install(self) -> "StopFlag":
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._handler)
+        return self
+
+    def _handler(self, signum, frame) -> None:
+        if not self.requested:
+            self.requested = True
+            self.requested_at = time.time()
+            self.signal_name = signal.Signals(signum).name
+            log.warning("received %s: stopping at the next agreed step boundary", self.signal_name)
+
+
+class StopAgreement:
+    """One per epoch (or resumed part of one). `boundary(k)` must be called for k = 1, 2, ... in
+    order by every rank; `decided(k)` may be called earlier to learn decision k (it waits for it)."""
+
+    def __init__(self, flag: StopFlag, group) -> None:
+        self.flag, self.group = flag, group
+        self.pending: tuple | None = None  # (work, tensor, k of the decision it carries)
+        self.decisions: dict[int, bool] = {}
+        self._issue(1)
+
+    def _issue(self, k: int) -> None:
+        t = torch.tensor([int(self.flag.requested)], dtype=torch.int64)
+        self.pending = (dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True), t, k)
+
+    def decided(self, k: int) -> bool:
+        """Decision for boundary k: stop there? Waits for the reduce issued at boundary k-1."""
+        if k not in self.decisions:
+            work, t, pk = self.pending
+            assert pk == k, f"stop decision {k} asked before boundary {k - 1} was passed"
+            work.wait()
+            self.decisions[k] = bool(t.item())
+            self.pending = None
+        return self.decisions[k]
+
+    def boundary(self, k: int) -> bool:
+        """At boundary k: True = stop here (every rank gets the same answer)."""
+        if self.decided(k):
+            return True
+        self._issue(k + 1)
+        return False
+
+    def finish(self) -> bool:
+        """At the end of the epoch: resolve what is pending, then one blocking vote. True = stop."""
+        pending = False
+        if self.pending is not None:
+            work, t, _ = self.pending
+            work.wait()
+            pending = bool(t.item())
+            self.pending = None
+        t = torch.tensor([int(self.flag.requested or pending)], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
