@@ -74,3 +74,22 @@ def test_more_drafters_than_targets(tmp_path):
     log = res.stdout + res.stderr
     assert res.returncode == 0, log[-3000:]
     assert len(set(re.findall(r"final drafter weights digest (\w+)", log))) == 1
+
+
+@pytest.mark.parametrize("override, expect", [
+    ("model.draft.target_layer_ids=[1,9]", "model.draft.target_layer_ids"),
+    ("model.draft.mask_token_id=500", "model.draft.mask_token_id"),
+    ("roles.drafters_per_node=2", "roles.drafters_per_node"),
+    ("objective.block_size=1", "objective.block_size"),
+])
+def test_bad_input_exits_2_with_a_message_and_nobody_waits(tmp_path, override, expect):
+    import time
+    t0 = time.monotonic()
+    res = torchrun(2, [override], tmp_path, timeout=60)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0 and expect in out, out[-2000:]
+    assert re.search(r"exitcode\s*:\s*2", out), out[-2000:]
+    assert not re.search(r'File ".*dflash_dist/', out), "a clear message, not a stack trace of ours"
+    # Both ranks stop with the message (errors found after the groups formed name the rank at fault).
+    assert len(re.findall(rf"(ERROR: |\] dflash_dist.train: ).*{re.escape(expect)}", out)) == 2, out[-3000:]
+    assert time.monotonic() - t0 < 45
