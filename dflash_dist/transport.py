@@ -10,6 +10,12 @@ them ahead of need (prefetch). It checks the header before it touches the payloa
 PacketError naming the sender on any mismatch. A sender keeps at most `max_in_flight` packets
 outstanding per drafter: a Qwen3-8B batch is ~2 GB of features, so an unbounded queue is an OOM.
 Nothing is pickled.
+
+On CPU the receiver takes its feature buffer from a small pool instead of a fresh allocation: a fresh
+tensor above glibc's mmap threshold (32 MiB at most) is fresh pages, and touching them for the first
+time cost more than the copy off the socket (docs/benchmarks.md, transport). A pooled buffer is handed
+out again only once nothing but the pool refers to its storage, so a packet the caller still holds (or
+that autograd saved) is never overwritten. CUDA tensors need no pool: the caching allocator is one.
 """
 from __future__ import annotations
 
@@ -28,6 +34,43 @@ HEADER_LEN = 8
 
 class PacketError(RuntimeError):
     pass
+
+
+def _storage_refs(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+class _RecvPool:
+    """Reusable flat CPU byte buffers; see the module docstring for why and when one is reused."""
+
+    def __init__(self, max_buffers: int = 8):
+        self.max_buffers = max_buffers
+        self.buffers: list[torch.Tensor] = []
+        # References a storage held by one lone tensor reports here (the count's probe adds its own).
+        self.idle_refs = _storage_refs(torch.empty(1, dtype=torch.uint8))
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        free = [b for b in self.buffers if _storage_refs(b) == self.idle_refs]
+        fits = [b for b in free if b.numel() >= nbytes]
+        if fits:
+            return min(fits, key=torch.Tensor.numel)[:nbytes]
+        if free:  # none large enough: replace the largest idle one rather than grow the pool
+            self.buffers.remove(max(free, key=torch.Tensor.numel))
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        if len(self.buffers) < self.max_buffers:
+            self.buffers.append(buf)
+        return buf[:nbytes]  # always a new view: the pool's own tensor must not count as the caller's
+
+
+# One per process, like an allocator cache. Without the private use count there is no safe reuse test.
+_POOL = _RecvPool() if hasattr(torch._C, "_storage_Use_Count") else None
+
+
+def _recv_buffer(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if _POOL is None or torch.device(device).type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
+    nbytes = shape[0] * shape[1] * torch.empty((), dtype=dtype).element_size()
+    return _POOL.take(nbytes).view(dtype).view(shape)
 
 
 @dataclass
@@ -82,7 +125,7 @@ class PendingPacket:
         self.src, self.expect = src, (MAGIC, epoch, batch, n_tokens, n_seqs, feat_dim)
         self.header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
         self.meta = torch.empty(2 * n_tokens + n_seqs + 1, dtype=torch.int64, device=device)
-        self.features = torch.empty(n_tokens, feat_dim, dtype=dtype, device=device)
+        self.features = _recv_buffer((n_tokens, feat_dim), dtype, device)
         self.works = [dist.irecv(t, src, group=group) for t in (self.header, self.meta, self.features)]
 
     def wait(self) -> Packet:

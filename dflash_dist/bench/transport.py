@@ -1,0 +1,215 @@
+"""Feature-packet path against a raw send/recv of the same bytes, same backend, same run.
+
+    python -m dflash_dist.bench.transport [--json runs/bench/transport.json] [--reps 7]
+    torchrun --nproc_per_node=2 -m dflash_dist.bench.transport      # NCCL + CUDA where there is CUDA
+
+Without torchrun it spawns two gloo processes itself. Rank 0 sends, rank 1 receives; other ranks only
+join the barriers. One timed transfer = barrier, then rank 0 sends and waits for a one-element ack
+that rank 1 sends once it holds the data; the same handshake wraps both paths, so the ratio is fair.
+Paths alternate order every repetition (the machines are shared and noisy); the median is reported.
+
+  packet: PacketSender.send + flush  ->  PendingPacket(...).wait()   (header, meta, features)
+  raw:    dist.send / dist.recv of one preallocated uint8 buffer of the packet's total bytes
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dflash_dist.data.collate import PackedBatch
+from dflash_dist import transport
+from dflash_dist.transport import HEADER_LEN, PacketSender, PendingPacket
+
+FEAT_DIM = 5 * 4096  # five captured layers of a Qwen3-8B-sized target
+MiB = 1 << 20
+
+
+def cases(sizes_mib: list[float], real_tokens: int, feat_dim: int) -> list[tuple[str, int]]:
+    """(name, token count): packets of about each size, then the realistic packet."""
+    per_tok = feat_dim * 2  # bf16 features; meta adds 16 B per token
+    out = [(f"{s:g} MiB", max(1, int(s * MiB) // per_tok)) for s in sizes_mib]
+    if real_tokens:
+        out.append((f"real: {real_tokens} tok x {feat_dim}", real_tokens))
+    return out
+
+
+def make_batch(n_tokens: int, seq_len: int, feat_dim: int, device: torch.device) -> tuple[PackedBatch, torch.Tensor]:
+    lens = [seq_len] * (n_tokens // seq_len) + ([n_tokens % seq_len] if n_tokens % seq_len else [])
+    cu = torch.tensor([0] + lens).cumsum(0)
+    g = torch.Generator().manual_seed(n_tokens)
+    ids = torch.randint(0, 151936, (n_tokens,), generator=g)
+    mask = torch.rand(n_tokens, generator=g) < 0.7
+    feats = torch.randn(n_tokens, feat_dim, generator=g).to(device=device, dtype=torch.bfloat16)
+    return PackedBatch(ids, mask, cu), feats
+
+
+def packet_bytes(batch: PackedBatch, feat_dim: int) -> int:
+    return 8 * (HEADER_LEN + 2 * batch.num_tokens + batch.num_seqs + 1) + 2 * batch.num_tokens * feat_dim
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(rank: int, device: torch.device, send_fn, recv_fn, ack: torch.Tensor) -> float:
+    """Seconds from rank 0 starting the send until rank 1 has acknowledged the data (rank 0 only)."""
+    dist.barrier()
+    _sync(device)
+    if rank == 0:
+        t0 = time.perf_counter()
+        send_fn()
+        dist.recv(ack, 1)
+        _sync(device)
+        return time.perf_counter() - t0
+    if rank == 1:
+        recv_fn()
+        _sync(device)
+        dist.send(ack, 0)
+    return 0.0
+
+
+def run_case(rank: int, device: torch.device, name: str, n_tokens: int, feat_dim: int, reps: int,
+             warmup: int) -> dict:
+    batch, feats = make_batch(n_tokens, 512, feat_dim, device)
+    total = packet_bytes(batch, feat_dim)
+    raw = torch.empty(total, dtype=torch.uint8, device=device)
+    ack = torch.zeros(1, device=device)
+    sender = PacketSender(max_in_flight=1)
+    counter = iter(range(1 << 30))
+
+    def packet_send():
+        sender.send(1, 0, next(counter), batch, feats, 0.0, 0.0)
+        sender.flush()
+
+    def packet_recv():
+        p = PendingPacket(0, 0, next(counter), batch.num_tokens, batch.num_seqs, feat_dim, torch.bfloat16,
+                          device).wait()
+        assert p.features.shape == (n_tokens, feat_dim)
+
+    def fresh_recv():  # the receiver as it was before the CPU buffer pool: a new allocation per packet
+        pool, transport._POOL = transport._POOL, None
+        try:
+            packet_recv()
+        finally:
+            transport._POOL = pool
+
+    paths = {"packet": (packet_send, packet_recv),
+             "raw": (lambda: dist.send(raw, 1), lambda: dist.recv(raw, 0))}
+    if device.type == "cpu":
+        paths["packet_fresh"] = (packet_send, fresh_recv)
+    times: dict[str, list[float]] = {k: [] for k in paths}
+    names = list(paths)
+    for i in range(warmup + reps):
+        for k in names[i % len(names):] + names[:i % len(names)]:  # rotate the order every repetition
+            t = _timed(rank, device, *paths[k], ack)
+            if i >= warmup:
+                times[k].append(t)
+    gib = total / (1 << 30)
+    row = {"case": name, "tokens": n_tokens, "seqs": batch.num_seqs, "feat_dim": feat_dim, "bytes": total}
+    for k, v in times.items():
+        med = statistics.median(v) if rank == 0 else 0.0
+        row[f"{k}_s"], row[f"{k}_gib_s"], row[f"{k}_all_s"] = med, gib / med if med else 0.0, v
+    for k in paths:
+        if k != "raw":
+            row[f"{k}/raw"] = row["raw_s"] / row[f"{k}_s"] if row[f"{k}_s"] else 0.0
+    return row
+
+
+def print_table(rows: list[dict], backend: str) -> None:
+    fresh = "packet_fresh_s" in rows[0]
+    print(f"\ntransport: packet path vs raw send/recv of the same bytes ({backend}, GiB/s, median)")
+    print(f"{'case':<24}{'MiB':>8}{'packet':>9}{'raw':>9}{'packet/raw':>12}"
+          + (f"{'fresh':>9}{'fresh/raw':>11}" if fresh else ""))
+    for r in rows:
+        line = (f"{r['case']:<24}{r['bytes'] / MiB:>8.2f}{r['packet_gib_s']:>9.3f}{r['raw_gib_s']:>9.3f}"
+                f"{r['packet/raw']:>12.3f}")
+        if fresh:
+            line += f"{r['packet_fresh_gib_s']:>9.3f}{r['packet_fresh/raw']:>11.3f}"
+        print(line)
+    if fresh:
+        print("fresh: the packet path with a new receive buffer per packet (no pool), as before the fix")
+
+
+def bench(rank: int, world: int, args: argparse.Namespace) -> list[dict] | None:
+    backend = dist.get_backend()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    rows = [run_case(rank, device, name, n, args.feat_dim, args.reps, args.warmup)
+            for name, n in cases(args.sizes, args.real_tokens, args.feat_dim)]
+    if rank != 0:
+        return None
+    print_table(rows, backend)
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"backend": backend, "world": world, "device": str(device), "reps": args.reps, "warmup": args.warmup,
+            "torch": torch.__version__, "threads": torch.get_num_threads()}
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    print(f"wrote {out}")
+    return rows
+
+
+def _init(backend: str) -> None:
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend)
+
+
+def _spawned(rank: int, port: int, args: argparse.Namespace) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    # Two processes share the cores; a full intra-op pool each would only contend.
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    _init(args.backend)
+    try:
+        bench(rank, 2, args)
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", type=float, nargs="*", default=[1, 16, 128], help="packet sizes in MiB")
+    p.add_argument("--real-tokens", type=int, default=2048,
+                   help="tokens of the realistic packet (2048 x 5x4096 bf16 = 80 MiB); 0 skips it")
+    p.add_argument("--feat-dim", type=int, default=FEAT_DIM)
+    p.add_argument("--reps", type=int, default=11)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--backend", default="auto", help="auto: nccl with CUDA, gloo otherwise")
+    p.add_argument("--json", default="runs/bench/transport.json")
+    args = p.parse_args(argv)
+    if args.backend == "auto":
+        args.backend = "nccl" if torch.cuda.is_available() else "gloo"
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    if "RANK" in os.environ:  # under torchrun
+        _init(args.backend)
+        try:
+            if dist.get_world_size() < 2:
+                raise SystemExit("transport bench needs two ranks")
+            bench(dist.get_rank(), dist.get_world_size(), args)
+        finally:
+            dist.destroy_process_group()
+        return
+    mp.spawn(_spawned, args=(free_port(), args), nprocs=2, join=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""Every attention path equals the reference, and the reference equals a dense float64 oracle.
+
+Float32, tight tolerance, packed layouts with length-1 sequences, sequences that cross flex's 128-token
+tiles, GQA and MHA. flex runs uncompiled here (same mask function and block mask; the compiled kernel
+also skips tiles, which test_block_mask_tiles_are_exact checks); DFLASH_SLOW_TESTS=1 adds the compiled
+kernel on CPU (about a minute of compiling). flash-attn needs CUDA and is checked by bench/gpu_check.py.
+"""
+import os
+import warnings
+
+import pytest
+import torch
+
+from dflash_dist.models import attention as attn
+
+TOL = dict(atol=2e-6, rtol=1e-5)
+LAYOUTS = {
+    "one_seq": [200],
+    "with_len1": [1, 129, 1, 269, 300, 1],
+    "many_short": [3, 1, 7, 2, 5, 1, 9, 4] * 3,
+    "tile_edges": [128, 128, 127, 129, 256],
+}
+HEADS = {"gqa": (4, 2), "mqa": (4, 1), "mha": (2, 2)}
+
+
+@pytest.fixture(autouse=True)
+def eager_flex(monkeypatch):
+    monkeypatch.setattr(attn, "flex_compile", os.environ.get("DFLASH_SLOW_TESTS") == "1")
+    warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+
+
+def cu_of(lengths):
+    return torch.tensor([0] + lengths).cumsum(0)
+
+
+def qkv(n, h, h_kv, d=8, seed=0, lead=()):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*lead, n, h, d, generator=g), torch.randn(*lead, n, h_kv, d, generator=g),
+            torch.randn(*lead, n, h_kv, d, generator=g))
+
+
+def dense_oracle(q, k, v, allowed):
+    """allowed: (Q, K) bool. Plain softmax attention in float64."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1).double(), v.repeat_interleave(rep, 1).double()
+    s = torch.einsum("qhd,khd->hqk", q.double(), k) * q.shape[-1] ** -0.5
+    p = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1)
+    return torch.einsum("hqk,khd->qhd", p, v).float()
+
+
+def causal_allowed(cu):
+    n = int(cu[-1])
+    seq = torch.repeat_interleave(torch.arange(len(cu) - 1), cu.diff())
+    i = torch.arange(n)
+    return (seq[:, None] == seq[None, :]) & (i[None, :] <= i[:, None])
+
+
+def drafter_case(lengths, h, h_kv, B=4, d=8, seed=1):
+    """Blocks over every sequence; anchors include position 0 (empty context) and the last legal one."""
+    cu = cu_of(lengths)
+    g = torch.Generator().manual_seed(seed)
+    starts, ends = [], []
+    for s, L in zip(cu[:-1].tolist(), lengths):
+        pos = sorted({0, L - 1} | set(torch.randint(0, L, (3,), generator=g).tolist()))
+        starts += [s] * len(pos)
+        ends += [s + p for p in pos]
+    A = len(starts)
+    q, kb, vb = qkv(A * B, h, h_kv, d, seed, ())
+    k, v = qkv(int(cu[-1]), h_kv, h_kv, d, seed + 1)[1:]
+    return (q.view(A, B, h, d), k, v, kb.view(A, B, h_kv, d), vb.view(A, B, h_kv, d),
+            torch.tensor(starts), torch.tensor(ends))
+
+
+def block_allowed(n, starts, ends, B):
+    A = len(starts)
+    kv = torch.arange(n + A * B)
+    blk = torch.arange(A * B) // B
+    ctx = (kv[None, :] >= starts[blk][:, None]) & (kv[None, :] < ends[blk][:, None])
+    own = (kv[None, :] >= n + blk[:, None] * B) & (kv[None, :] < n + blk[:, None] * B + B)
+    return ctx | own
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("heads", HEADS)
+def test_packed_causal_paths_equal_reference(layout, heads):
+    cu = cu_of(LAYOUTS[layout])
+    q, k, v = qkv(int(cu[-1]), *HEADS[heads])
+    ref = attn.packed_causal_attention(q, k, v, cu, impl="ref")
+    torch.testing.assert_close(ref, dense_oracle(q, k, v, causal_allowed(cu)), **TOL)
+    torch.testing.assert_close(attn.packed_causal_attention(q, k, v, cu, impl="flex"), ref, **TOL)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("heads", ["gqa", "mha"])
+def test_block_paths_equal_reference(layout, heads):
+    lengths = LAYOUTS[layout]
+    q, k, v, kb, vb, starts, ends = drafter_case(lengths, *HEADS[heads])
+    A, B, n = q.shape[0], q.shape[1], k.shape[0]
+    oracle = dense_oracle(q.flatten(0, 1), torch.cat([k, kb.flatten(0, 1)]), torch.cat([v, vb.flatten(0, 1)]),
+                          block_allowed(n, starts, ends, B)).view(q.shape)
+    # The per-sequence reference the drafter calls, one sequence at a time.
+    per_seq = torch.empty_like(q)
+    for s in starts.unique().tolist():
+        j = starts == s
+        L = int(ends[j].max()) - s + 1
+        per_seq[j] = attn.block_context_attention(q[j], k[s:s + L], v[s:s + L], kb[j], vb[j], ends[j] - s, impl="ref")
+    torch.testing.assert_close(per_seq, oracle, **TOL)
+    for impl in ("ref", "flex"):
+        got = attn.packed_block_attention(q, k, v, kb, vb, starts, ends, impl=impl)
+        torch.testing.assert_close(got, per_seq, **TOL)
+    s0 = int(starts[0])
+    one = starts == s0
+    L = int(ends[one].max()) - s0
+    got = attn.block_context_attention(q[one], k[s0:s0 + L], v[s0:s0 + L], kb[one], vb[one], ends[one] - s0,
+                                       impl="flex")
+    torch.testing.assert_close(got, per_seq[one], **TOL)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention has no backward on CPU")
+def test_block_flex_gradients_equal_reference():
+    """The drafter trains through this op: gradients must match too."""
+    case = drafter_case(LAYOUTS["with_len1"], 4, 2)
+    grads = {}
+    for impl in ("ref", "flex"):
+        leaves = [t.cuda().requires_grad_() for t in case[:5]]
+        out = attn.packed_block_attention(*leaves, *(t.cuda() for t in case[5:]), impl=impl)
+        (out * torch.linspace(-1, 1, out.numel(), device="cuda").view(out.shape)).sum().backward()
+        grads[impl] = [t.grad for t in leaves]
+    for g_ref, g_flex in zip(grads["ref"], grads["flex"]):
+        torch.testing.assert_close(g_flex, g_ref, atol=1e-5, rtol=1e-5)
+
+
+def tiles(allowed, tile):
+    """Dense truth per tile: any allowed pair, and all pairs allowed (full-size tiles only)."""
+    Q, K = allowed.shape
+    qt, kt = -(-Q // tile), -(-K // tile)
+    pad = torch.zeros(qt * tile, kt * tile, dtype=torch.bool)
+    pad[:Q, :K] = allowed
+    t = pad.view(qt, tile, kt, tile)
+    valid = torch.zeros_like(pad)
+    valid[:Q, :K] = True
+    whole = valid.view(qt, tile, kt, tile).all(3).all(1)
+    return t.any(3).any(1), t.all(3).all(1) & whole
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_block_mask_tiles_are_exact(layout):
+    """Skipped tiles hold no allowed pair; full tiles (mask function skipped) hold only allowed pairs;
+    and no tile that could be full is left partial. Small tiles make every layout cross many of them."""
+    tile = 16
+    cu = cu_of(LAYOUTS[layout])
+    n = int(cu[-1])
+    seq = torch.repeat_interleave(torch.arange(len(cu) - 1), cu.diff())
+    m = attn.interval_block_mask(cu[seq], torch.arange(1, n + 1), None, None, kv_len=n, tile=tile)
+    _, _, starts, ends = drafter_case(LAYOUTS[layout], 2, 2, B=5)[3:]
+    A = len(starts)
+    blk = torch.arange(A * 5) // 5
+    m2 = attn.interval_block_mask(starts[blk], ends[blk], n + blk * 5, n + blk * 5 + 5, kv_len=n + A * 5, tile=tile)
+    for mask, allowed in ((m, causal_allowed(cu)), (m2, block_allowed(n, starts, ends, 5))):
+        any_t, full_t = tiles(allowed, tile)
+        full = attn.BlockMask.to_dense(mask.__class__.from_kv_blocks(mask.full_kv_num_blocks, mask.full_kv_indices,
+                                                                     BLOCK_SIZE=tile))[0, 0].bool()
+        assert torch.equal(mask.to_dense()[0, 0].bool(), any_t)
+        assert torch.equal(full, full_t)
+
+
+def test_auto_choice_on_cpu_and_bad_requests():
+    q = torch.zeros(4, 2, 8)
+    assert attn.resolve("auto", "causal", q) == "ref"
+    assert attn.resolve("auto", "block", q) == "ref"
+    assert attn.resolve("flex", "causal", q) == "flex"
+    with pytest.raises(ValueError, match="flash"):
+        attn.resolve("flash", "causal", q)
+    with pytest.raises(ValueError, match="expected one of"):
+        attn.resolve("fast", "causal", q)
+    with pytest.raises(ValueError, match="expected one of"):
+        attn.set_default_impl("fast")
