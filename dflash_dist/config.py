@@ -82,7 +82,7 @@ class PlanConfig:
 
 @dataclass
 class RolesConfig:
-    mode: str = "disaggregated"
+    mode: str = "disaggregated"  # colocated: every rank runs target then drafter (N=1 allowed)
     drafters_per_node: int = 1
 
 
@@ -141,7 +141,7 @@ class TrainConfig:
     checkpoint_every_steps: int = 0  # 0 = off
     checkpoint_every_min: float = 0.0  # 0 = off
     keep_last: int = 3  # checkpoints kept (0 = all)
-    sync_every: int = 4  # steps between stop agreements (>= transport.max_in_flight)
+    sync_every: int = 2  # steps between stop votes (>= transport.max_in_flight); a stop lands within 2 windows
 
 
 @dataclass
@@ -162,7 +162,7 @@ class Config:
 _CHOICES = {
     "model.target.kind": ("tiny", "hf"),
     "model.target.dtype": ("auto", "float32", "bfloat16", "float16"),
-    "roles.mode": ("disaggregated",),
+    "roles.mode": ("disaggregated", "colocated"),
     "objective.labels": ("data",),
     "transport.dtype": ("auto", "float32", "bfloat16", "float16"),
     "dist.backend": ("auto", "gloo", "nccl"),

@@ -38,7 +38,8 @@ class DistContext:
 
     @property
     def is_drafter(self) -> bool:
-        return self.role == "drafter"
+        """Trains the drafter (a colocated rank does both)."""
+        return self.role != "target"
 
 
 def env_ranks() -> tuple[int, int, int, int]:

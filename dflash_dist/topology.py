@@ -24,12 +24,17 @@ class Layout:
     world_size: int
     local_world_size: int
     drafters_per_node: int
+    # Colocated: every rank runs the target and the drafter in turn (DDP over all ranks; N=1 works).
+    # Expressed as "every rank is a drafter that is its own target", so routes and steps stay the same.
+    colocated: bool = False
 
     def __post_init__(self) -> None:
         if self.world_size % self.local_world_size:
             raise TopologyError(
                 f"world size {self.world_size} is not a multiple of ranks per node {self.local_world_size}")
-        if not 1 <= self.drafters_per_node < self.local_world_size:
+        if self.colocated:
+            object.__setattr__(self, "drafters_per_node", self.local_world_size)
+        elif not 1 <= self.drafters_per_node < self.local_world_size:
             raise TopologyError(
                 f"config key 'roles.drafters_per_node': {self.drafters_per_node} leaves no target among "
                 f"{self.local_world_size} ranks per node (need 1 <= drafters_per_node < ranks per node)")
@@ -40,7 +45,7 @@ class Layout:
 
     @property
     def targets_per_node(self) -> int:
-        return self.local_world_size - self.drafters_per_node
+        return self.local_world_size if self.colocated else self.local_world_size - self.drafters_per_node
 
     @property
     def num_drafters(self) -> int:
@@ -56,15 +61,19 @@ class Layout:
         return [n * L + i for n in range(self.num_nodes) for i in range(d)]
 
     def target_ranks(self) -> list[int]:
+        if self.colocated:
+            return list(range(self.world_size))
         L, d = self.local_world_size, self.drafters_per_node
         return [n * L + i for n in range(self.num_nodes) for i in range(d, L)]
 
     def role(self, rank: int) -> str:
+        if self.colocated:
+            return "colocated"
         return "drafter" if rank % self.local_world_size < self.drafters_per_node else "target"
 
     def drafter_index(self, rank: int) -> int:
         """j such that drafter_ranks()[j] == rank."""
-        if self.role(rank) != "drafter":
+        if self.role(rank) == "target":
             raise TopologyError(f"rank {rank} is a target, not a drafter")
         return (rank // self.local_world_size) * self.drafters_per_node + rank % self.local_world_size
 
@@ -72,6 +81,8 @@ class Layout:
         """(target rank, drafter rank) of global batch b."""
         D, d, T, L = self.num_drafters, self.drafters_per_node, self.targets_per_node, self.local_world_size
         j = b % D
+        if self.colocated:
+            return j, j
         node, local_j = divmod(j, d)
         m = (b // D) * d + local_j  # index of b among the batches routed to `node`
         target = node * L + d + m % T
@@ -84,7 +95,7 @@ class Layout:
 
     def batches_of(self, rank: int, num_batches: int) -> list[int]:
         """The batches this rank touches (as target or drafter), in the increasing order it handles them."""
-        if self.role(rank) == "drafter":
+        if self.role(rank) != "target":
             return list(range(self.drafter_index(rank), num_batches, self.num_drafters))
         return [b for b in range(num_batches) if self.route(b)[0] == rank]
 

@@ -100,10 +100,11 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         rank, world, _, local_world = env_ranks()
-        if world < 2:
+        colocated = cfg.roles.mode == "colocated"
+        if world < 2 and not colocated:
             raise ConfigError("dflash_dist.train needs at least 2 ranks (a target and a drafter): run "
-                              "torchrun --nproc_per_node=N with N >= 2")
-        layout = Layout(world, local_world, cfg.roles.drafters_per_node)
+                              "torchrun --nproc_per_node=N with N >= 2, or roles.mode=colocated for one process")
+        layout = Layout(world, local_world, cfg.roles.drafters_per_node, colocated=colocated)
     except (ConfigError, TopologyError, RuntimeError) as exc:
         # Every rank parses the same config, so every rank stops here alike, before any group forms.
         logging.basicConfig(format="%(levelname)s: %(message)s")

@@ -59,7 +59,7 @@ def test_four_ranks_two_drafters_ddp_and_tail(tmp_path):
 def test_one_rank_is_a_clear_error(tmp_path):
     res = torchrun(1, [], tmp_path, timeout=60)
     assert res.returncode != 0
-    assert "needs at least 2 ranks" in res.stderr + res.stdout
+    assert "needs at least 2 ranks" in res.stderr + res.stdout and "roles.mode=colocated" in res.stderr + res.stdout
 
 
 def test_config_error_exits_2_on_every_rank_before_any_group_forms(tmp_path):
@@ -93,3 +93,14 @@ def test_bad_input_exits_2_with_a_message_and_nobody_waits(tmp_path, override, e
     # Both ranks stop with the message (errors found after the groups formed name the rank at fault).
     assert len(re.findall(rf"(ERROR: |\] dflash_dist.train: ).*{re.escape(expect)}", out)) == 2, out[-3000:]
     assert time.monotonic() - t0 < 45
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_colocated_mode_runs_on_one_and_two_ranks(tmp_path, nproc):
+    res = torchrun(nproc, ["roles.mode=colocated", "train.epochs=1"], tmp_path)
+    log = res.stdout + res.stderr
+    assert res.returncode == 0, log[-3000:]
+    assert len(re.findall(r"\[rank\d colocated\] \S+: final drafter weights digest", log)) == nproc
+    assert len(set(re.findall(r"final drafter weights digest (\w+)", log))) == 1
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["samples"] == 160 and summary["mode"] == "colocated"

@@ -24,14 +24,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflash_dist import checkpoint, export
 from dflash_dist.config import loss_gamma, to_dict
+from dflash_dist.data.collate import collate
 from dflash_dist.models.build import build_drafter
 from dflash_dist.monitor import Monitor, Progress, Sinks
 from dflash_dist.objective import anchor_generator, block_labels, draw_anchors, dflash_loss
 from dflash_dist.plan import build_plan, broadcast_plan, plan_kwargs
+from dflash_dist.balance import balance_advice, format_advice
 from dflash_dist.checkpoint import Cursor
 from dflash_dist.roles.common import RoleResult, RunSetup, plan_digest, start_step
 from dflash_dist.stop import StopAgreement
-from dflash_dist.transport import PacketError, PendingPacket
+from dflash_dist.transport import Packet, PacketError, PendingPacket
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,22 @@ def lr_lambda(total_steps: int, warmup_ratio: float, min_ratio: float):
         t = min(1.0, (step - warmup) / max(1, total_steps - warmup))
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
     return f
+
+
+class LocalPacket:
+    """Colocated mode: this rank's own target computes the batch's features when the step needs them."""
+
+    def __init__(self, drafter: "Drafter", plan, epoch: int, b: int):
+        self.d, self.plan, self.epoch, self.b = drafter, plan, epoch, b
+        self.src = drafter.run.ctx.rank
+
+    def wait(self) -> Packet:
+        d, run = self.d, self.d.run
+        t0 = time.perf_counter()
+        batch = collate(run.dataset, self.plan.batch(self.b)).to(d.device)
+        feats, _ = run.target.capture(batch.input_ids, batch.cu_seqlens, batch.position_ids, run.spec.target_layer_ids)
+        d.local_target_s += time.perf_counter() - t0
+        return Packet(self.epoch, self.b, batch, feats.to(d.feat_dtype), d.local_target_s, 0.0)
 
 
 def weights_digest(model: torch.nn.Module) -> str:
@@ -77,6 +95,7 @@ class Drafter:
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" \
             else contextlib.nullcontext()
         self.wait_s = self.compute_s = 0.0
+        self.local_target_s = 0.0  # colocated mode: time in this rank's own target forward
         B = cfg.objective.block_size
         self.target_counters = torch.zeros(ctx.world_size, 2, dtype=torch.float64, device=self.device)
         self.is_rank0 = ctx.rank == 0
@@ -145,7 +164,9 @@ class Drafter:
                 if k >= 1 and agree.decided(k):
                     return  # everyone stops at boundary k: nothing past it will be sent
                 b = nxt * self.D + self.j
-                if b < n:
+                if b < n and layout.colocated:
+                    pending.append((b, LocalPacket(self, plan, epoch, b)))
+                elif b < n:
                     idx = plan.batch(b)
                     n_tok = int(self.run.dataset.lengths[idx].sum())
                     pending.append((b, PendingPacket(layout.route(b)[0], epoch, b, n_tok, len(idx), self.feat_dim,
@@ -163,9 +184,10 @@ class Drafter:
             stats = torch.zeros(8 + 2 * B, dtype=torch.float64)
             if step * self.D + self.j < n:
                 b, pp = pending.popleft()
+                local_before = self.local_target_s
                 packet = self._wait_packet(pp, b)
                 t1 = time.perf_counter()
-                self.wait_s += t1 - t0
+                self.wait_s += t1 - t0 - (self.local_target_s - local_before)
                 self.target_counters[pp.src, 0] = packet.sender_compute_s
                 self.target_counters[pp.src, 1] = packet.sender_wait_s
                 loss, m = self._loss(packet, epoch, b)
@@ -341,7 +363,16 @@ class Drafter:
             "checkpoint": str(ckpt), "export": str(exported) if exported else None, "weights_digest": digest,
             "wait_targets": p.target_wait_s / max(p.target_wait_s + p.target_compute_s, 1e-9),
             "wait_drafters": p.drafter_wait_s / max(p.drafter_wait_s + p.drafter_compute_s, 1e-9),
+            "target_compute_s": p.target_compute_s, "target_wait_s": p.target_wait_s,
+            "drafter_compute_s": p.drafter_compute_s, "drafter_wait_s": p.drafter_wait_s,
+            "batches": p.total_done - p.resumed_done, "num_targets": self.layout.num_targets,
+            "num_drafters": self.D, "mode": cfg.roles.mode,
         }
+        if not self.layout.colocated:
+            summary["balance"] = balance_advice(
+                p.target_compute_s, p.drafter_compute_s, summary["batches"], self.layout.local_world_size,
+                self.layout.drafters_per_node, summary["wait_targets"], summary["wait_drafters"])
+            log.info("%s", format_advice(summary["balance"]))
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         log.info("summary: %s", ", ".join(f"epoch {e['epoch']}: {e['batches']} batches" for e in epochs_summary))
         log.info("summary: %d samples, %d tokens in %.1fs (%.0f tok/s); final loss %.3f; accuracy by position %s; "

@@ -1,0 +1,43 @@
+"""Which role is the bottleneck, and which target:drafter split the measurements suggest.
+
+Target cost follows tokens, drafter cost follows anchors x block size, so the right split depends on
+the data and the models; it is measured, not guessed. With per-batch compute times t_T (one target
+forward) and t_D (one drafter step), T targets and D drafters sustain min(T / t_T, D / t_D) batches/s;
+on a node of L ranks the best split maximises that over T + D = L.
+"""
+from __future__ import annotations
+
+
+def balance_advice(target_compute_s: float, drafter_compute_s: float, batches: int, ranks_per_node: int,
+                   drafters_per_node: int, target_wait: float, drafter_wait: float) -> dict:
+    """target/drafter_compute_s: summed over all ranks of the role; batches: batches trained."""
+    if batches <= 0 or target_compute_s <= 0 or drafter_compute_s <= 0:
+        return {}
+    t_t, t_d = target_compute_s / batches, drafter_compute_s / batches
+    L, d = ranks_per_node, drafters_per_node
+
+    def rate(dn: int) -> float:
+        return min((L - dn) / t_t, dn / t_d)
+
+    best = max(range(1, L), key=rate)
+    bottleneck = "targets" if (L - d) / t_t < d / t_d else "drafters"
+    return {
+        "bottleneck": bottleneck, "target_s_per_batch": t_t, "drafter_s_per_batch": t_d,
+        "wait_targets": target_wait, "wait_drafters": drafter_wait,
+        "suggested_drafters_per_node": best, "current_drafters_per_node": d,
+        "predicted_speedup": rate(best) / rate(d),
+    }
+
+
+def format_advice(a: dict) -> str:
+    if not a:
+        return "balance: not enough measurements"
+    line = (f"balance: bottleneck {a['bottleneck']} (targets wait {100 * a['wait_targets']:.0f}%, drafters wait "
+            f"{100 * a['wait_drafters']:.0f}%); per batch: target {a['target_s_per_batch'] * 1e3:.1f} ms, drafter "
+            f"{a['drafter_s_per_batch'] * 1e3:.1f} ms")
+    if a["suggested_drafters_per_node"] != a["current_drafters_per_node"]:
+        line += (f"; suggest roles.drafters_per_node={a['suggested_drafters_per_node']} "
+                 f"(predicted x{a['predicted_speedup']:.2f})")
+    else:
+        line += "; the current split is the best one for these measurements"
+    return line

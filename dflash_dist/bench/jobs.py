@@ -1,0 +1,32 @@
+"""Run a whole training job under torchrun from a benchmark and read back its summary."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def run_job(nproc: int, overrides: list[str], timeout: float = 900) -> dict:
+    """Launch `torchrun -m dflash_dist.train` on this machine; returns summary.json plus wall time."""
+    run_dir = Path(tempfile.mkdtemp(prefix="dflash-bench-"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "dflash_dist.train", "wandb.mode=disabled", "train.resume=none", "train.export=false",
+           f"train.run_dir={run_dir}", *overrides]
+    t0 = time.perf_counter()
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+    wall = time.perf_counter() - t0
+    if res.returncode != 0:
+        raise RuntimeError(f"job failed ({' '.join(overrides)}):\n{(res.stdout + res.stderr)[-3000:]}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary["wall_s"] = wall
+    return summary
+
+
+def write_json(path: str, payload: dict) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(payload, indent=2) + "\n")
