@@ -55,7 +55,9 @@ class _RecvPool:
         if fits:
             return min(fits, key=torch.Tensor.numel)[:nbytes]
         if free:  # none large enough: replace the largest idle one rather than grow the pool
-            self.buffers.remove(max(free, key=torch.Tensor.numel))
+            victim = max(free, key=torch.Tensor.numel)
+            # By identity: list.remove would compare tensors elementwise.
+            self.buffers = [b for b in self.buffers if b is not victim]
         buf = torch.empty(nbytes, dtype=torch.uint8)
         if len(self.buffers) < self.max_buffers:
             self.buffers.append(buf)

@@ -78,3 +78,14 @@ def test_header_mismatch_is_a_clear_error():
     errors = [msg for kind, msg in results if kind == "error"]
     assert errors, results
     assert "target rank 1" in errors[0] and "batch: expected 1, got 2" in errors[0]
+
+
+def test_receive_pool_replaces_an_idle_buffer_when_sizes_grow():
+    from dflash_dist.transport import _RecvPool
+    pool = _RecvPool(max_buffers=2)
+    a = pool.take(100)
+    del a
+    b = pool.take(200)  # the idle 100-byte buffer is too small: it is replaced, not compared elementwise
+    held = pool.take(50)  # b is still referenced: a second buffer is used, b is not handed out again
+    assert b.data_ptr() != held.data_ptr()
+    assert len(pool.buffers) <= 2
