@@ -4,7 +4,7 @@ Each epoch is a full random shuffle (no length sorting) packed greedily, in shuf
 budget of real tokens, a cap on sequences and optionally a cap on anchors. So the batch count changes
 from epoch to epoch; nothing downstream may assume a constant count.
 
-Packing runs one `searchsorted` per batch over prefix sums instead of one Python step per sample:
+Packing runs one binary search per batch over prefix sums instead of one Python step per sample:
 the next batch ends where the first of the three running totals would overflow. That is the same
 result as the sample-by-sample greedy loop, at ~1 microsecond per batch instead of per sample.
 """

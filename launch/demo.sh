@@ -3,5 +3,5 @@
 # machine, gloo on CPU or NCCL on GPUs. Extra arguments are key=value overrides or --config FILE.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash launch/setup.sh
+EXTRAS=${EXTRAS-} bash launch/setup.sh  # the job needs no test tools
 exec bash launch/run.sh "$@"

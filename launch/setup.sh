@@ -13,5 +13,6 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   fi
   .venv/bin/pip install -q --disable-pip-version-check "$spec"
 fi
-# The extras: dev = pytest + transformers/tokenizers (tiny HF models and tokenizers in tests).
-.venv/bin/pip install -q --disable-pip-version-check -e ".[${EXTRAS:-dev}]"
+# EXTRAS: dev (default) = pytest + transformers/tokenizers for the tests; "" = the package alone.
+extras=${EXTRAS-dev}
+.venv/bin/pip install -q --disable-pip-version-check -e ".${extras:+[$extras]}"

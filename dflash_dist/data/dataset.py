@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -24,12 +25,17 @@ class TokenDataset:
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
 
-    @property
+    @cached_property
     def num_supervised(self) -> np.ndarray:
-        """Supervised tokens per sample (int64)."""
-        csum = np.zeros(len(self.loss_mask) + 1, dtype=np.int64)
-        np.cumsum(self.loss_mask, out=csum[1:])
-        return csum[self.offsets[1:]] - csum[self.offsets[:-1]]
+        """Supervised tokens per sample (int64), counted in chunks: no per-token temporary."""
+        out = np.zeros(len(self), dtype=np.int64)
+        nonempty = np.flatnonzero(self.lengths > 0)
+        step = 1 << 20
+        for i in range(0, len(nonempty), step):
+            idx = nonempty[i:i + step]
+            a, b = int(self.offsets[idx[0]]), int(self.offsets[idx[-1] + 1])
+            out[idx] = np.add.reduceat(np.asarray(self.loss_mask[a:b], dtype=np.int64), self.offsets[idx] - a)
+        return out
 
     def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])

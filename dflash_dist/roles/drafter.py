@@ -360,6 +360,7 @@ class Drafter:
             "acc_per_position": [round(a, 4) for a in acc], "final_acc_per_position": [round(a, 4) for a in p.acc],
             "final_accept_len": p.accept_len,
             "skipped": self.skipped,
+            "skipped_in_preparation": dict(getattr(self.run.dataset, "meta", {}).get("skipped", {}) or {}),
             "checkpoint": str(ckpt), "export": str(exported) if exported else None, "weights_digest": digest,
             "wait_targets": p.target_wait_s / max(p.target_wait_s + p.target_compute_s, 1e-9),
             "wait_drafters": p.drafter_wait_s / max(p.drafter_wait_s + p.drafter_compute_s, 1e-9),
