@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from dflash_dist.checkpoint import resolve_resume
 from dflash_dist.config import Config, ConfigError, load_config
+from dflash_dist.data.dataset import preparation_skips
 from dflash_dist.data.synthetic import synthetic_dataset
 from dflash_dist.dist import DistContext, agree_on_failure, env_ranks, init_distributed, setup_logging, teardown
 from dflash_dist.liveness import DONE, FAILED, Liveness
@@ -43,11 +44,6 @@ def open_dataset(cfg: Config):
     return synthetic_dataset(cfg.data.synthetic, cfg.model.target.vocab_size)
 
 
-def prepared_skips(ds) -> dict:
-    """Samples the preparation step left out, by reason (recorded in a prepared dataset's meta.json)."""
-    return dict(getattr(ds, "meta", {}).get("skipped", {}) or {})
-
-
 def count_epochs(cfg: Config, ds) -> list[int]:
     """Rank 0 counts every epoch's batches at start: the LR horizon and the ETA use this exact total."""
     lengths, sup = ds.lengths, ds.num_supervised
@@ -73,7 +69,7 @@ def build(cfg: Config, ctx: DistContext, stop_flag: StopFlag) -> RunSetup:
         counts[:] = torch.tensor(count_epochs(cfg, ds))
         skipped = build_plan(ds.lengths, ds.num_supervised, epoch=0, **plan_kwargs(cfg)).skipped
         log.info("dataset: %d samples, %d tokens; skipped by the plan (counted, never truncated): %s%s", len(ds),
-                 int(np.sum(ds.lengths)), skipped, f"; skipped when prepared: {prep}" if (prep := prepared_skips(ds)) else "")
+                 int(np.sum(ds.lengths)), skipped, f"; skipped when prepared: {prep}" if (prep := preparation_skips(ds)) else "")
         lay = ctx.layout
         log.info("layout: %d nodes x %d ranks, %d drafters %s, %d targets %s, backend %s", lay.num_nodes,
                  lay.local_world_size, lay.num_drafters, lay.drafter_ranks(), lay.num_targets, lay.target_ranks(),

@@ -40,3 +40,8 @@ class TokenDataset:
     def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         return self.tokens[a:b], self.loss_mask[a:b]
+
+
+def preparation_skips(ds: TokenDataset) -> dict:
+    """Samples the preparation step left out, by reason (a prepared dataset's meta.json records them)."""
+    return dict(getattr(ds, "meta", {}).get("skipped", {}) or {})

@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from dflash_dist import checkpoint, export
 from dflash_dist.config import loss_gamma, to_dict
 from dflash_dist.data.collate import collate
+from dflash_dist.data.dataset import preparation_skips
 from dflash_dist.models.build import build_drafter
 from dflash_dist.monitor import Monitor, Progress, Sinks
 from dflash_dist.objective import anchor_generator, block_labels, draw_anchors, dflash_loss
@@ -360,7 +361,7 @@ class Drafter:
             "acc_per_position": [round(a, 4) for a in acc], "final_acc_per_position": [round(a, 4) for a in p.acc],
             "final_accept_len": p.accept_len,
             "skipped": self.skipped,
-            "skipped_in_preparation": dict(getattr(self.run.dataset, "meta", {}).get("skipped", {}) or {}),
+            "skipped_in_preparation": preparation_skips(self.run.dataset),
             "checkpoint": str(ckpt), "export": str(exported) if exported else None, "weights_digest": digest,
             "wait_targets": p.target_wait_s / max(p.target_wait_s + p.target_compute_s, 1e-9),
             "wait_drafters": p.drafter_wait_s / max(p.drafter_wait_s + p.drafter_compute_s, 1e-9),
