@@ -1,0 +1,225 @@
+"""A transformers causal LM as the frozen target: the same interface as the built-in `TinyQwen3`.
+
+`capture` runs the model's own decoder layers over a packed, padding-free batch. Position ids restart
+per sequence (RoPE comes from the model's own rotary module, so scaled variants stay right), and the
+attention never crosses a sequence boundary: while `capture` runs, the model's attention dispatch points
+at a packed implementation that takes the batch's `cu_seqlens` through the layers' kwargs (the names of
+transformers' own varlen kwargs) and runs `packed_causal_attention`, so the memory stays linear in tokens
+(a dense block-diagonal mask over a 49K-token batch would not fit). Outside `capture` the model is left
+exactly as loaded.
+
+Supported: Qwen3, Llama, Mistral-style decoders (embed -> layers -> norm -> lm_head, rotary module on
+the base model). `load_hf_target` checks the packed path against the model's own forward on a short
+input and refuses an architecture it does not reproduce.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dflash_dist.models.attention import packed_causal_attention
+
+log = logging.getLogger(__name__)
+
+PACKED_ATTENTION = "dflash_packed"
+
+
+def _packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                      sliding_window=None, cu_seq_lens_q=None, max_length_q=None, **kwargs):
+    """transformers attention-interface signature: query (1, h, N, d), key/value (1, h_kv, N, d);
+    returns ((1, N, h, d), None)."""
+    if cu_seq_lens_q is None or query.shape[0] != 1:
+        raise RuntimeError("packed attention needs a batch of 1 and cu_seq_lens_q (only HFTarget.capture calls it)")
+    if attention_mask is not None:
+        raise RuntimeError("packed attention takes no attention mask: sequences are delimited by cu_seq_lens_q")
+    d = query.shape[-1]
+    if scaling is not None and abs(scaling - d ** -0.5) > 1e-6 * d ** -0.5:
+        raise NotImplementedError(f"attention scaling {scaling} != head_dim**-0.5: not supported by the packed path")
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError("attention logit soft-capping is not supported by the packed path")
+    # A window no shorter than the longest sequence masks nothing (transformers keeps kv > q - window).
+    if sliding_window is not None and max_length_q is not None and max_length_q > sliding_window:
+        raise NotImplementedError(f"sequence of {max_length_q} tokens exceeds the sliding window {sliding_window}")
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (N, heads, d)
+    return packed_causal_attention(q, k, v, cu_seq_lens_q).unsqueeze(0), None
+
+
+def _register_packed_attention() -> None:
+    from transformers import AttentionInterface
+    AttentionInterface.register(PACKED_ATTENTION, _packed_attention)
+
+
+def _rope_theta(cfg) -> float:
+    """transformers 5 keeps rope_theta in config.rope_parameters; 4.x on the config itself."""
+    params = getattr(cfg, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        return float(params["rope_theta"])
+    theta = getattr(cfg, "rope_theta", None)
+    if theta is None:
+        raise ValueError(f"cannot find rope_theta in the {type(cfg).__name__} config")
+    return float(theta)
+
+
+class HFTarget(nn.Module):
+    """Frozen, eval-mode wrapper with TinyQwen3's attributes and `capture`."""
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.hf = hf_model
+        base = getattr(hf_model, hf_model.base_model_prefix, None)
+        missing = [n for n in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(base, n)]
+        if base is None or missing or not hasattr(hf_model, "lm_head"):
+            raise ValueError(f"{type(hf_model).__name__}: not a supported decoder-only layout "
+                             f"(base model lacks {missing or 'everything'}; or no lm_head)")
+        self._base_name = hf_model.base_model_prefix
+        cfg = hf_model.config.get_text_config() if hasattr(hf_model.config, "get_text_config") else hf_model.config
+        self.config = cfg
+        self.vocab_size = cfg.vocab_size
+        self.hidden_size = cfg.hidden_size
+        self.num_layers = cfg.num_hidden_layers
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.intermediate_size = cfg.intermediate_size
+        self.rope_theta = _rope_theta(cfg)
+        self.rms_eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
+        _register_packed_attention()
+        for p in self.parameters():
+            p.requires_grad_(False)
+        self.eval()
+
+    def _apply(self, fn, recurse=True):
+        # Module.to(dtype) casts every float buffer, but RoPE's inverse frequencies must stay float32
+        # (transformers loads them so): in bf16 the phases of late positions would drift.
+        keep = {n: b for n, b in self.named_buffers() if n.endswith("inv_freq") and b.dtype == torch.float32}
+        super()._apply(fn, recurse)
+        for name, old in keep.items():
+            owner, _, leaf = name.rpartition(".")
+            mod = self.get_submodule(owner)
+            mod._buffers[leaf] = old.to(device=mod._buffers[leaf].device)
+        return self
+
+    @property
+    def base(self) -> nn.Module:
+        return getattr(self.hf, self._base_name)
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.base.embed_tokens
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self.hf.lm_head
+
+    @contextlib.contextmanager
+    def _packed(self):
+        # Every attention module reads the shared config object at call time; restore it afterwards so
+        # the wrapped model's own forward/generate keeps its original attention and masks.
+        configs = list({id(c): c for c in (self.hf.config, self.config)}.values())  # text config may differ
+        saved = [c._attn_implementation for c in configs]
+        for c in configs:
+            c._attn_implementation = PACKED_ATTENTION
+        try:
+            yield
+        finally:
+            for c, old in zip(configs, saved):
+                c._attn_implementation = old
+
+    @torch.no_grad()
+    def capture(self, input_ids, cu_seqlens, position_ids, layer_ids, need_logits: bool = False):
+        """(features (N, len(layer_ids) * H), logits (N, V) or None): layer i's output is
+        hidden_states[i + 1] (for the very last layer: before the final norm, which transformers'
+        hidden_states[-1] includes). Stops after the last captured layer unless logits are asked for."""
+        if not layer_ids:
+            raise ValueError("capture needs at least one layer id")
+        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"layer ids {bad} outside the target's layers [0, {self.num_layers - 1}]")
+        base = self.base
+        cu = cu_seqlens.to(device=input_ids.device, dtype=torch.int64)
+        max_len = int((cu[1:] - cu[:-1]).max())
+        x = base.embed_tokens(input_ids)[None]
+        pos = position_ids[None]
+        rope = base.rotary_emb(x, pos)
+        packed = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len)
+        wanted, captured = set(layer_ids), {}
+        last = self.num_layers if need_logits else max(layer_ids) + 1
+        with self._packed():
+            for i in range(last):
+                out = base.layers[i](x, attention_mask=None, position_ids=pos, position_embeddings=rope, **packed)
+                x = out[0] if isinstance(out, tuple) else out  # transformers 4.x layers return tuples
+                if i in wanted:
+                    captured[i] = x[0]
+        feats = torch.cat([captured[i] for i in layer_ids], dim=-1)
+        logits = self.lm_head(base.norm(x))[0] if need_logits else None
+        return feats, logits
+
+    @torch.no_grad()
+    def greedy(self, prompts: torch.Tensor, n: int) -> torch.Tensor:
+        """Greedy continuation (b, n) of b prompts of equal length (b, L), with the model's KV cache.
+        Equal lengths mean no padding, so no attention mask is needed."""
+        from transformers import DynamicCache
+        cache = DynamicCache()
+        # transformers 5 renamed past_key_values to cache; take whichever this version has.
+        cache_kw = "cache" if "cache" in inspect.signature(self.hf.forward).parameters else "past_key_values"
+        out, ids = [], prompts
+        for _ in range(n):
+            logits = self.hf(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_kw: cache}).logits
+            ids = logits[:, -1].argmax(-1, keepdim=True)
+            out.append(ids)
+        return torch.cat(out, dim=1) if out else prompts.new_zeros(prompts.shape[0], 0)
+
+
+def _dtype_kwarg() -> str:
+    import transformers
+    major, minor = (int(p) for p in transformers.__version__.split(".")[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+
+
+@torch.no_grad()
+def check_packed_capture(target: HFTarget, lengths=(7, 4)) -> None:
+    """The packed path must reproduce the model's own forward, sequence by sequence, or we refuse the
+    model (e.g. an architecture that scales embeddings or soft-caps logits, which `capture` skips)."""
+    dev = target.embed_tokens.weight.device
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, target.vocab_size, (n,), generator=gen).to(dev) for n in lengths]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=dev)
+    pos = torch.cat([torch.arange(n, device=dev) for n in lengths])
+    # Not the last layer: transformers' hidden_states[-1] is after the final norm, capture's is before.
+    ids = sorted({0, target.num_layers - 2} - {-1}) or [0]
+    feats, logits = target.capture(torch.cat(seqs), cu, pos, ids, need_logits=True)
+    for s, seq in enumerate(seqs):
+        out = target.hf(input_ids=seq[None], output_hidden_states=True)
+        a, b = int(cu[s]), int(cu[s + 1])
+        pairs = [("logits", logits[a:b], out.logits[0])]
+        if target.num_layers > 1:
+            ref = torch.cat([out.hidden_states[i + 1][0] for i in ids], dim=-1)
+            pairs.append(("features", feats[a:b], ref))
+        for name, got, want in pairs:
+            err = float((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-12))
+            if err > 2e-2:  # bf16 noise is ~1e-3; an unsupported architecture is off by O(1)
+                raise ValueError(f"{type(target.hf).__name__}: packed capture does not reproduce the model's "
+                                 f"{name} (relative error {err:.3g}); this architecture is not supported")
+
+
+def load_hf_target(path: str | Path, dtype: torch.dtype, device: torch.device, verify: bool = True) -> HFTarget:
+    """Loads a causal LM from a LOCAL directory (never downloads), frozen, in eval mode, on `device`."""
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError as exc:
+        raise ImportError("model.target.kind=hf needs transformers: pip install 'dflash_dist[hf]'") from exc
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model.target.path={path}: no config.json (a local model directory is required)")
+    hf = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, **{_dtype_kwarg(): dtype})
+    target = HFTarget(hf).to(device=device, dtype=dtype).eval()
+    log.info("target %s from %s: %d layers, hidden %d, vocab %d, %s on %s", type(hf).__name__, path,
+             target.num_layers, target.hidden_size, target.vocab_size, dtype, device)
+    if verify:
+        check_packed_capture(target)
+    return target

@@ -1,0 +1,109 @@
+"""z-lab export of the drafter: files, tensor names, config fields, exact round trip, transformers config."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash_dist.config import load_config
+from dflash_dist.export import export_drafter, load_drafter
+from dflash_dist.models.build import build_drafter, build_target, draft_spec
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run thousands of small ops: intra-op threads only add synchronisation, and on a
+    shared CPU they made these tests up to 30x slower (measured)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+LAYER_KEYS = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+              "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+              "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+              "input_layernorm.weight", "post_attention_layernorm.weight"}
+
+
+@pytest.fixture(scope="module")
+def parts():
+    cfg = load_config(overrides=["model.draft.num_layers=2", "objective.block_size=8"])
+    target = build_target(cfg, CPU)
+    spec = draft_spec(cfg, target)
+    drafter = build_drafter(spec, target, seed=5, device=CPU)
+    with torch.no_grad():  # norms start at 1: perturb them so the round trip checks them too
+        for name, p in drafter.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+    return cfg, target, spec, drafter
+
+
+def batch(target, spec):
+    gen = torch.Generator().manual_seed(4)
+    lengths = [30, 17]
+    ids = torch.randint(0, 127, (sum(lengths),), generator=gen)
+    cu = torch.tensor([0, 30, 47])
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    feats, _ = target.capture(ids, cu, pos, list(spec.target_layer_ids))
+    anchors, anchor_cu = torch.tensor([3, 10, 21, 30 + 2, 30 + 9]), torch.tensor([0, 3, 5])
+    return feats, ids, cu, pos, anchors, anchor_cu
+
+
+def test_files_keys_and_config(parts, tmp_path):
+    _, target, spec, drafter = parts
+    out = export_drafter(drafter, tmp_path / "draft", dtype=torch.float32)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    tensors = load_file(str(out / "model.safetensors"))
+    expected = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
+        f"layers.{i}.{k}" for i in range(spec.num_layers) for k in LAYER_KEYS}
+    assert set(tensors) == expected
+    H, n = spec.hidden_size, len(spec.target_layer_ids)
+    assert tensors["fc.weight"].shape == (H, n * H)
+    assert tensors["layers.1.self_attn.q_norm.weight"].shape == (spec.head_dim,)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["block_size"] == 8 and cfg["num_target_layers"] == target.num_layers
+    assert cfg["dflash_config"] == {"mask_token_id": spec.mask_token_id,
+                                    "target_layer_ids": list(spec.target_layer_ids)}
+    assert cfg["tie_word_embeddings"] is False and cfg["num_hidden_layers"] == 2
+    assert cfg["torch_dtype"] == "float32" and cfg["vocab_size"] == target.vocab_size
+
+
+def test_round_trip_reproduces_logits_exactly(parts, tmp_path):
+    _, target, spec, drafter = parts
+    export_drafter(drafter, tmp_path / "draft", dtype=torch.float32)
+    loaded = load_drafter(tmp_path / "draft")
+    assert loaded.spec == spec
+    loaded.attach_target_head(target.embed_tokens, target.lm_head)
+    args = batch(target, spec)
+    with torch.no_grad():
+        assert torch.equal(loaded(*args), drafter(*args))
+    # Exporting again replaces the directory whole.
+    export_drafter(drafter, tmp_path / "draft", dtype=torch.bfloat16)
+    assert load_file(str(tmp_path / "draft" / "model.safetensors"))["fc.weight"].dtype == torch.bfloat16
+    assert json.loads((tmp_path / "draft" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert not (tmp_path / "draft.tmp").exists()
+
+
+def test_config_and_layers_load_in_transformers(parts, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    _, _, spec, drafter = parts
+    out = export_drafter(drafter, tmp_path / "draft", dtype=torch.float32)
+    cfg = json.loads((out / "config.json").read_text())
+    qcfg = transformers.Qwen3Config(**cfg)
+    auto = transformers.AutoConfig.from_pretrained(str(out), local_files_only=True)
+    for c in (qcfg, auto):
+        assert isinstance(c, transformers.Qwen3Config)
+        assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (
+            spec.hidden_size, spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+        assert c.dflash_config["target_layer_ids"] == list(spec.target_layer_ids) and c.block_size == 8
+    # Every exported layer loads strictly into transformers' own Qwen3 decoder layer.
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+    tensors = load_file(str(out / "model.safetensors"))
+    for i in range(spec.num_layers):
+        layer = Qwen3DecoderLayer(qcfg, i)
+        prefix = f"layers.{i}."
+        layer.load_state_dict({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}, strict=True)
