@@ -65,11 +65,15 @@ class SyntheticConfig:
     prompt_frac: float = 0.3  # leading share of each sample that is prompt (not supervised)
     noise: float = 0.1  # share of tokens drawn at random; the rest follow a seeded rule
     seed: int = 7
+    # Replace each response by the target's own greedy continuation of its prompt, as DFlash data is
+    # made in practice, so that a trained drafter can be accepted by its target (cached on disk).
+    regenerate: bool = True
 
 
 @dataclass
 class DataConfig:
     path: str = ""  # prepared dataset directory; empty = the seeded synthetic corpus
+    cache_dir: str = "runs/cache"  # regenerated corpora, keyed by target and corpus settings
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
 
@@ -137,6 +141,8 @@ class TrainConfig:
     seed: int = 0  # plan shuffle and anchor draws
     run_dir: str = "runs/default"
     export: bool = True
+    eval_prompts: int = 12  # held-out prompts for tau before/after training (rank 0; 0 = skip)
+    eval_new_tokens: int = 40
     resume: str = "auto"  # auto: newest complete checkpoint of run_dir; none; or a checkpoint directory
     checkpoint_every_steps: int = 0  # 0 = off
     checkpoint_every_min: float = 0.0  # 0 = off

@@ -303,6 +303,8 @@ class Drafter:
             log.info("plan: %s batches over %d epochs = %d total; %d optimizer steps on %d drafters",
                      list(self.run.epoch_counts), cfg.train.epochs, sum(self.run.epoch_counts), self.total_steps, self.D)
         epochs_summary = []
+        self.tau_before = self._evaluate("untrained") if self.run.resume_from is None else None
+        self.progress.started = time.time()  # rates and ETA count training time only
         try:
             for epoch in range(self.run.cursor.epoch, cfg.train.epochs):
                 t0 = time.time()
@@ -324,6 +326,21 @@ class Drafter:
                 monitor.stop()
             if sinks is not None:
                 sinks.close()
+
+    def _evaluate(self, label: str) -> dict | None:
+        """Acceptance length tau by real draft-then-verify decoding against the target (rank 0, on
+        held-out prompts of the synthetic corpus). Prepared data: use `python -m dflash_dist.evaluate`."""
+        cfg = self.run.cfg
+        if not self.is_rank0 or cfg.train.eval_prompts <= 0 or cfg.data.path:
+            return None
+        from dflash_dist.evaluate import acceptance_length, heldout_prompts
+        t0 = time.time()
+        r = acceptance_length(self.run.target, self.model, heldout_prompts(cfg, cfg.train.eval_prompts),
+                              cfg.train.eval_new_tokens)
+        log.info("acceptance length tau (%s drafter): %.3f over %d verify steps of %d held-out prompts; speculative "
+                 "output %s the target's greedy output (%.1fs)", label, r["tau"], r["num_steps"], r["num_prompts"],
+                 "equals" if r["exact"] else f"DIFFERS ({r['mismatches']} prompts) from", time.time() - t0)
+        return {k: r[k] for k in ("tau", "num_prompts", "num_steps", "exact", "mismatches")}
 
     def _stop(self, cursor: Cursor, monitor) -> RoleResult:
         flag = self.run.stop_flag
@@ -359,7 +376,8 @@ class Drafter:
             "time_s": round(elapsed, 2), "tok_per_s": (p.tokens - p.resumed_tokens) / max(elapsed, 1e-9),
             "final_loss": p.loss, "mean_loss": t["loss_sum"] / max(t["weight_sum"], 1e-9),
             "acc_per_position": [round(a, 4) for a in acc], "final_acc_per_position": [round(a, 4) for a in p.acc],
-            "final_accept_len": p.accept_len,
+            "final_accept_len_estimate": p.accept_len,  # teacher-forced, over anchors: not decoding tau
+            "tau_untrained": self.tau_before, "tau_trained": self._evaluate("trained"),
             "skipped": self.skipped,
             "skipped_in_preparation": preparation_skips(self.run.dataset),
             "checkpoint": str(ckpt), "export": str(exported) if exported else None, "weights_digest": digest,
