@@ -5,6 +5,7 @@ import json
 import os
 import re
 import subprocess
+import tempfile
 import sys
 from pathlib import Path
 
@@ -14,7 +15,9 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 TINY = [
     "wandb.mode=disabled", "monitor.interval_s=0.2", "train.epochs=3", "data.synthetic.num_samples=160",
     "data.synthetic.min_len=20", "data.synthetic.max_len=120", "plan.token_budget=1024", "plan.max_seqs=16",
-    "objective.num_anchors=4", "dist.timeout_s=60",
+    "objective.num_anchors=4", "dist.timeout_s=60", "train.eval_prompts=0",
+    # Regenerated corpora are deterministic: one cache for the whole test session.
+    f"data.cache_dir={Path(tempfile.gettempdir()) / 'dflash_dist_test_cache'}",
 ]
 
 

@@ -39,8 +39,12 @@ def check_run(res, run_dir, nproc, drafters):
 
 
 def test_three_ranks_two_targets_one_drafter(tmp_path):
-    res = torchrun(3, [], tmp_path)
+    res = torchrun(3, ["train.eval_prompts=6", "train.eval_new_tokens=32"], tmp_path)
     log, counts, summary = check_run(res, tmp_path, 3, 1)
+    # Real draft-then-verify decoding on held-out prompts: exact, and the trained drafter is accepted more.
+    before, after = summary["tau_untrained"], summary["tau_trained"]
+    assert before["exact"] and after["exact"]
+    assert after["tau"] > before["tau"] + 0.1, (before, after)
     assert len({n for n, _ in counts}) > 1, f"batch counts should differ across epochs: {counts}"
     recs = [r for r in metrics(tmp_path) if r.get("kind") in ("progress", "epoch_end")]
     assert recs[-1]["loss"] < recs[0]["loss"], "the loss must fall"

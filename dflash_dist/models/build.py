@@ -37,6 +37,11 @@ def draft_spec(cfg: Config, target) -> DraftSpec:
     bad = [i for i in ids if not 0 <= i < L]
     if bad:
         raise ConfigError(f"config key 'model.draft.target_layer_ids': {bad} outside the target's layers [0, {L - 1}]")
+    if L - 1 in ids:
+        # transformers returns the last layer's state after the final norm (hidden_states[L]), so the
+        # z-lab convention is ambiguous there; the DFlash rule never picks it.
+        raise ConfigError(f"config key 'model.draft.target_layer_ids': layer {L - 1} is the target's last layer; "
+                          f"use ids up to {L - 2}")
     if len(set(ids)) != len(ids):
         raise ConfigError(f"config key 'model.draft.target_layer_ids': {ids} has duplicates")
     mask = d.mask_token_id if d.mask_token_id >= 0 else target.vocab_size - 1
