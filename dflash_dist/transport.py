@@ -4,6 +4,13 @@ A packet is three contiguous tensors, sent in this order on the data backend's d
   header   int64 (HEADER_LEN,): magic, epoch, batch, tokens, seqs, feature dim, sender compute/wait us
   meta     int64 (2N + S + 1,): token ids | loss mask | cu_seqlens
   features (N, F) in the transfer dtype: the captured layers concatenated on the feature axis
+With distillation labels (`objective.labels` != data) the target's predictions ride along (TargetLabels):
+  meta     int64 (2N + S + 1 + wN,): ... | the target's ids per token, row-major (N, w): w = 1 for
+           target_argmax (its argmax), w = k for target_soft (its top-k indices, best first)
+  values   float32 (N, k), target_soft only, a 4th tensor after the features: the matching top-k logits
+           (float32 whatever the transfer dtype: the softmax over them is the training target)
+w and k follow from the config, which every rank shares, so the receiver still sizes everything from the
+plan; with data labels the packet is exactly the three tensors above.
 
 Every rank holds the plan, so the receiver sizes all three buffers before the bytes arrive and posts
 them ahead of need (prefetch). It checks the header before it touches the payload and raises
@@ -76,6 +83,13 @@ def _recv_buffer(shape: tuple[int, int], dtype: torch.dtype, device: torch.devic
 
 
 @dataclass
+class TargetLabels:
+    """The target's own predictions for the next token at each packed position (distillation labels)."""
+    ids: torch.Tensor  # (N, w) int64: argmax (w = 1) or top-k indices, best first
+    values: torch.Tensor | None = None  # (N, k) float32 top-k logits for soft labels; None for argmax
+
+
+@dataclass
 class Packet:
     epoch: int
     batch: int
@@ -83,6 +97,7 @@ class Packet:
     features: torch.Tensor
     sender_compute_s: float
     sender_wait_s: float
+    target: TargetLabels | None = None  # None with objective.labels=data
 
 
 def _header(epoch, batch, n_tokens, n_seqs, feat_dim, compute_s=0.0, wait_s=0.0, device="cpu"):
@@ -98,7 +113,7 @@ class PacketSender:
         self.wait_s = 0.0  # time blocked on the in-flight bound
 
     def send(self, dst: int, epoch: int, batch: int, data: PackedBatch, features: torch.Tensor,
-             compute_s: float, wait_s: float) -> None:
+             compute_s: float, wait_s: float, target: TargetLabels | None = None) -> None:
         q = self.queues.setdefault(dst, deque())
         t0 = time.perf_counter()
         while len(q) >= self.max_in_flight:
@@ -108,8 +123,13 @@ class PacketSender:
         dev = features.device
         n, s = data.num_tokens, data.num_seqs
         header = _header(epoch, batch, n, s, features.shape[1], compute_s, wait_s, dev)
-        meta = torch.cat([data.input_ids, data.loss_mask.long(), data.cu_seqlens]).to(dev)
+        parts = [data.input_ids, data.loss_mask.long(), data.cu_seqlens]
+        if target is not None:
+            parts.append(target.ids.reshape(-1))
+        meta = torch.cat(parts).to(dev)
         tensors = (header, meta, features.contiguous())
+        if target is not None and target.values is not None:
+            tensors += (target.values.float().contiguous().to(dev),)
         works = [dist.isend(t, dst, group=self.group) for t in tensors]
         q.append((works, tensors))  # the tensors must live until their send completes
 
@@ -123,12 +143,22 @@ class PacketSender:
 
 
 class PendingPacket:
-    def __init__(self, src, epoch, batch, n_tokens, n_seqs, feat_dim, dtype, device, group=None):
+    """label_width: target ids per token in meta (0 = data labels); soft: a (N, label_width) float32
+    values tensor follows the features (see the module docstring)."""
+
+    def __init__(self, src, epoch, batch, n_tokens, n_seqs, feat_dim, dtype, device, group=None,
+                 label_width: int = 0, soft: bool = False):
         self.src, self.expect = src, (MAGIC, epoch, batch, n_tokens, n_seqs, feat_dim)
+        self.label_width = label_width
         self.header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
-        self.meta = torch.empty(2 * n_tokens + n_seqs + 1, dtype=torch.int64, device=device)
+        self.meta = torch.empty((2 + label_width) * n_tokens + n_seqs + 1, dtype=torch.int64, device=device)
         self.features = _recv_buffer((n_tokens, feat_dim), dtype, device)
-        self.works = [dist.irecv(t, src, group=group) for t in (self.header, self.meta, self.features)]
+        tensors = [self.header, self.meta, self.features]
+        # Small next to the features (k floats per token): a fresh buffer, not the pool's.
+        self.values = torch.empty(n_tokens, label_width, dtype=torch.float32, device=device) if soft else None
+        if self.values is not None:
+            tensors.append(self.values)
+        self.works = [dist.irecv(t, src, group=group) for t in tensors]
 
     def wait(self) -> Packet:
         self.works[0].wait()
@@ -141,6 +171,10 @@ class PendingPacket:
         for w in self.works[1:]:
             w.wait()
         n, s = self.expect[3], self.expect[4]
-        data = PackedBatch(self.meta[:n], self.meta[n:2 * n].bool(), self.meta[2 * n:])
+        end = 2 * n + s + 1  # cu_seqlens ends the base meta; target ids (if any) follow
+        data = PackedBatch(self.meta[:n], self.meta[n:2 * n].bool(), self.meta[2 * n:end])
+        target = None
+        if self.label_width:
+            target = TargetLabels(self.meta[end:].view(n, self.label_width), self.values)
         compute_us, wait_us = self.header[6:8].tolist()
-        return Packet(self.expect[1], self.expect[2], data, self.features, compute_us / 1e6, wait_us / 1e6)
+        return Packet(self.expect[1], self.expect[2], data, self.features, compute_us / 1e6, wait_us / 1e6, target)

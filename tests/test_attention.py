@@ -105,29 +105,37 @@ def test_block_paths_equal_reference(layout, heads):
         L = int(ends[j].max()) - s + 1
         per_seq[j] = attn.block_context_attention(q[j], k[s:s + L], v[s:s + L], kb[j], vb[j], ends[j] - s, impl="ref")
     torch.testing.assert_close(per_seq, oracle, **TOL)
-    for impl in ("ref", "flex"):
+    for impl in ("ref", "sdpa", "flex"):
         got = attn.packed_block_attention(q, k, v, kb, vb, starts, ends, impl=impl)
         torch.testing.assert_close(got, per_seq, **TOL)
+    # Runs of blocks cut into SDPA calls of a few blocks each give the same answer.
+    got = attn._sdpa_block(q, k, v, kb, vb, starts, ends, group=2)
+    torch.testing.assert_close(got, per_seq, **TOL)
     s0 = int(starts[0])
     one = starts == s0
     L = int(ends[one].max()) - s0
-    got = attn.block_context_attention(q[one], k[s0:s0 + L], v[s0:s0 + L], kb[one], vb[one], ends[one] - s0,
-                                       impl="flex")
-    torch.testing.assert_close(got, per_seq[one], **TOL)
+    for impl in ("sdpa", "flex"):
+        got = attn.block_context_attention(q[one], k[s0:s0 + L], v[s0:s0 + L], kb[one], vb[one], ends[one] - s0,
+                                           impl=impl)
+        torch.testing.assert_close(got, per_seq[one], **TOL)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention has no backward on CPU")
-def test_block_flex_gradients_equal_reference():
+def block_grads(case, impl, dev):
+    leaves = [t.to(dev).requires_grad_() for t in case[:5]]
+    out = attn.packed_block_attention(*leaves, *(t.to(dev) for t in case[5:]), impl=impl)
+    (out * torch.linspace(-1, 1, out.numel(), device=dev).view(out.shape)).sum().backward()
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "flex"])
+def test_block_gradients_equal_reference(impl):
     """The drafter trains through this op: gradients must match too."""
+    if impl == "flex" and not torch.cuda.is_available():
+        pytest.skip("flex_attention has no backward on CPU")
+    dev = "cuda" if impl == "flex" else "cpu"
     case = drafter_case(LAYOUTS["with_len1"], 4, 2)
-    grads = {}
-    for impl in ("ref", "flex"):
-        leaves = [t.cuda().requires_grad_() for t in case[:5]]
-        out = attn.packed_block_attention(*leaves, *(t.cuda() for t in case[5:]), impl=impl)
-        (out * torch.linspace(-1, 1, out.numel(), device="cuda").view(out.shape)).sum().backward()
-        grads[impl] = [t.grad for t in leaves]
-    for g_ref, g_flex in zip(grads["ref"], grads["flex"]):
-        torch.testing.assert_close(g_flex, g_ref, atol=1e-5, rtol=1e-5)
+    for g, g_ref in zip(block_grads(case, impl, dev), block_grads(case, "ref", dev)):
+        torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=1e-5)
 
 
 def tiles(allowed, tile):
@@ -167,7 +175,8 @@ def test_block_mask_tiles_are_exact(layout):
 def test_auto_choice_on_cpu_and_bad_requests():
     q = torch.zeros(4, 2, 8)
     assert attn.resolve("auto", "causal", q) == "ref"
-    assert attn.resolve("auto", "block", q) == "ref"
+    assert attn.resolve("auto", "block", q) == "sdpa"
+    assert attn.resolve("sdpa", "causal", q) == "ref"  # the causal reference is the SDPA loop
     assert attn.resolve("flex", "causal", q) == "flex"
     with pytest.raises(ValueError, match="flash"):
         attn.resolve("flash", "causal", q)

@@ -7,11 +7,12 @@ Two ops, as the training run calls them:
   target  causal attention of the target forward over a packed batch (forward only, no grad)
   drafter DFlash block attention over all anchors of the batch (forward, and forward+backward where
           the path has a backward: flex has none on CPU)
-Paths: "ref", "flex", "flash" (dflash_dist.models.attention) and "padded": the batch padded to its longest
-sequence (drafter: and to the most anchors) and one SDPA call with a boolean causal+padding mask, as a
-padded trainer would run it. Padding/unpadding is done once per batch in a real model, so it is left
-out of the timed call. The table gives time per call (median, paths interleaved), speed relative to
-"ref", tokens computed against real tokens (the padding waste) and max |out - ref| on these shapes.
+Paths: "ref", "sdpa" (drafter only), "flex", "flash" (dflash_dist.models.attention) and "padded": the
+batch padded to its longest sequence (drafter: and to the most anchors) and one SDPA call with a boolean
+causal+padding mask, as a padded trainer would run it. Padding/unpadding is done once per batch in a
+real model, so it is left out of the timed call. The table gives time per call (median, paths
+interleaved), speed relative to "ref", tokens computed against real tokens (the padding waste) and
+max |out - ref| on these shapes.
 """
 from __future__ import annotations
 
@@ -130,7 +131,7 @@ def time_interleaved(fns: dict[str, Callable[[], None]], reps: int, warmup: int,
 
 
 def available_impls(dev: torch.device, dtype: torch.dtype, requested: list[str] | None) -> list[str]:
-    impls = ["ref", "padded"]
+    impls = ["ref", "sdpa", "padded"]
     if attn.flex_available():
         impls.append("flex")
     if dev.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and attn.flash_available():
@@ -156,7 +157,8 @@ def bench_target(s, dev, dtype, lengths, impls, reps, warmup) -> list[dict]:
         o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=gqa)
         outs["padded"] = o
 
-    fns = {i: (padded if i == "padded" else packed(i)) for i in impls}
+    # "sdpa" is the drafter op's path; for the causal op it is the reference itself.
+    fns = {i: (padded if i == "padded" else packed(i)) for i in impls if i != "sdpa"}
     with torch.no_grad():
         med = time_interleaved(fns, reps, warmup, dev)
     if "padded" in outs:
@@ -236,17 +238,21 @@ def print_table(rows_: list[dict], header: str) -> None:
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    p.add_argument("--impls", nargs="*", default=None, help="subset of ref padded flex flash (default: all available)")
+    p.add_argument("--impls", nargs="*", default=None,
+                   help="subset of ref sdpa padded flex flash (default: all available)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--device", default="auto", help="auto: cuda when available")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="CPU intra-op threads (0: torch's default)")
     p.add_argument("--json", default="runs/bench/attention.json")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> list[dict]:
     args = parse(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     s = PRESETS[args.preset]
     dev = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                        ("cpu" if args.device == "auto" else args.device))

@@ -14,6 +14,8 @@ Sections (each one is timed, interleaved where it compares, and reported even if
              call per sequence) and batched (one packed_block_attention call per layer, the proposed change).
   transport  packet path vs raw NCCL send/recv between GPU 0 and GPU 1, when there are two.
 Prints one table and writes JSON. Without CUDA (and without --dry-run) it says so and exits with status 2.
+Time: flex compiles once or twice per op (automatic dynamic shapes), ~1 min each on a GPU; no section
+starts after --budget-s (240 s), so the whole check ends in about five minutes.
 """
 from __future__ import annotations
 
@@ -55,7 +57,8 @@ class Report:
     def add(self, section: str, what: str, value, note: str = "") -> None:
         text = f"{value:.4g}" if isinstance(value, float) else str(value)
         self.rows.append((section, what, text, note))
-        self.data.setdefault(section, {})[what] = value if not isinstance(value, float) or math.isfinite(value) else None
+        finite = not isinstance(value, float) or math.isfinite(value)
+        self.data.setdefault(section, {})[what] = value if finite else None
 
     def print(self) -> None:
         w = [max(len(r[i]) for r in self.rows + [("section", "check", "value", "")]) for i in range(3)]
@@ -100,7 +103,8 @@ def check_attention(rep: Report, dev: torch.device, dry: bool) -> None:
             float((attn.packed_causal_attention(q, k, v, cu, impl="flex") - ref).abs().max()))
     if dev.type == "cuda" and attn.flash_available():
         qb, kb, vb = (t.bfloat16() for t in (q, k, v))
-        d = attn.packed_causal_attention(qb, kb, vb, cu, impl="flash") - attn.packed_causal_attention(qb, kb, vb, cu, impl="ref")
+        d = (attn.packed_causal_attention(qb, kb, vb, cu, impl="flash")
+             - attn.packed_causal_attention(qb, kb, vb, cu, impl="ref"))
         rep.add("attention", "causal flash bf16 max|diff|", float(d.abs().max()), "bf16 rounding is ~1e-2")
     else:
         rep.add("attention", "causal flash", "n/a", "needs CUDA and flash-attn")
@@ -224,10 +228,15 @@ def check_drafter(rep: Report, target: TinyQwen3, tc: TargetConfig, lengths: lis
     pos, mask = position_ids(cu), torch.ones(n, dtype=torch.bool, device=dev)
     feats = torch.randn(n, len(ids_layers) * tc.hidden_size, device=dev, dtype=next(target.parameters()).dtype)
     labels, weights = block_labels(ids, mask, cu, anchors_t, anchor_cu, B, 7.0)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
+    # As the drafter role trains: bf16 autocast on CUDA, plain float32 on CPU.
+    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda")
     A = len(anchors)
     rep.add("drafter", "anchors / block", f"{A} / {B}", f"{per_seq} per sequence at most")
+    t_start = time.perf_counter()
     for layers in args.draft_layers:
+        if time.perf_counter() - t_start > args.budget_s / 3:
+            rep.add("drafter", f"{layers}-layer", "skipped", "drafter section past a third of the budget")
+            continue
         spec = DraftSpec(vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
                          num_layers=layers, num_heads=tc.num_heads, num_kv_heads=tc.num_kv_heads, head_dim=tc.head_dim,
                          rope_theta=tc.rope_theta, rms_eps=tc.rms_eps, block_size=B, mask_token_id=tc.vocab_size - 1,
@@ -291,6 +300,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--peak-tflops", type=float, default=None)
     p.add_argument("--skip", nargs="*", default=[], choices=["attention", "target", "drafter", "transport"])
+    p.add_argument("--budget-s", type=float, default=240, help="start no new section after this many seconds")
     p.add_argument("--json", default="runs/bench/gpu_check.json")
     return p.parse_args(argv)
 
@@ -318,8 +328,12 @@ def main(argv=None) -> int:
     rep.add("machine", "torch / flash-attn", f"{torch.__version__} / {attn.flash_available()}")
     t0 = time.perf_counter()
     target = None
-    for section in ("attention", "target", "drafter", "transport"):
+    # Transport before the model is built: its two processes then have GPU 0 and 1 to themselves.
+    for section in ("attention", "transport", "target", "drafter"):
         if section in args.skip:
+            continue
+        if time.perf_counter() - t0 > args.budget_s:
+            rep.add(section, "skipped", f"past the {args.budget_s:g} s budget")
             continue
         ts = time.perf_counter()
         try:

@@ -6,10 +6,12 @@
 Without torchrun it spawns two gloo processes itself. Rank 0 sends, rank 1 receives; other ranks only
 join the barriers. One timed transfer = barrier, then rank 0 sends and waits for a one-element ack
 that rank 1 sends once it holds the data; the same handshake wraps both paths, so the ratio is fair.
-Paths alternate order every repetition (the machines are shared and noisy); the median is reported.
+Paths rotate order every repetition (the machines are shared and noisy); GiB/s is the median, and
+packet/raw the median of the ratios of the two paths' times within each repetition.
 
   packet: PacketSender.send + flush  ->  PendingPacket(...).wait()   (header, meta, features)
   raw:    dist.send / dist.recv of one preallocated uint8 buffer of the packet's total bytes
+  raw_again: raw once more, as an A/A control; packet_fresh (CPU): packet with the receive pool off
 """
 from __future__ import annotations
 
@@ -48,7 +50,8 @@ def make_batch(n_tokens: int, seq_len: int, feat_dim: int, device: torch.device)
     g = torch.Generator().manual_seed(n_tokens)
     ids = torch.randint(0, 151936, (n_tokens,), generator=g)
     mask = torch.rand(n_tokens, generator=g) < 0.7
-    feats = torch.randn(n_tokens, feat_dim, generator=g).to(device=device, dtype=torch.bfloat16)
+    # Drawn where it lives: a 49K-token packet is 1.9 GiB, too slow to draw on the host and copy.
+    feats = torch.empty(n_tokens, feat_dim, dtype=torch.bfloat16, device=device).normal_()
     return PackedBatch(ids, mask, cu), feats
 
 
@@ -79,7 +82,7 @@ def _timed(rank: int, device: torch.device, send_fn, recv_fn, ack: torch.Tensor)
 
 
 def run_case(rank: int, device: torch.device, name: str, n_tokens: int, feat_dim: int, reps: int,
-             warmup: int) -> dict:
+             warmup: int, fresh: bool = True) -> dict:
     batch, feats = make_batch(n_tokens, 512, feat_dim, device)
     total = packet_bytes(batch, feat_dim)
     raw = torch.empty(total, dtype=torch.uint8, device=device)
@@ -103,9 +106,10 @@ def run_case(rank: int, device: torch.device, name: str, n_tokens: int, feat_dim
         finally:
             transport._POOL = pool
 
-    paths = {"packet": (packet_send, packet_recv),
-             "raw": (lambda: dist.send(raw, 1), lambda: dist.recv(raw, 0))}
-    if device.type == "cpu":
+    raw_paths = (lambda: dist.send(raw, 1), lambda: dist.recv(raw, 0))
+    # raw_again is the raw path timed a second time (an A/A control): its ratio is this machine's noise.
+    paths = {"packet": (packet_send, packet_recv), "raw": raw_paths, "raw_again": raw_paths}
+    if device.type == "cpu" and fresh:
         paths["packet_fresh"] = (packet_send, fresh_recv)
     times: dict[str, list[float]] = {k: [] for k in paths}
     names = list(paths)
@@ -119,23 +123,25 @@ def run_case(rank: int, device: torch.device, name: str, n_tokens: int, feat_dim
     for k, v in times.items():
         med = statistics.median(v) if rank == 0 else 0.0
         row[f"{k}_s"], row[f"{k}_gib_s"], row[f"{k}_all_s"] = med, gib / med if med else 0.0, v
-    for k in paths:
-        if k != "raw":
-            row[f"{k}/raw"] = row["raw_s"] / row[f"{k}_s"] if row[f"{k}_s"] else 0.0
+    for k in paths:  # per repetition, raw and this path ran back to back: the ratio of each pair, median
+        if k != "raw" and rank == 0:
+            row[f"{k}/raw"] = statistics.median(r / t for r, t in zip(times["raw"], times[k]))
     return row
 
 
 def print_table(rows: list[dict], backend: str) -> None:
-    fresh = "packet_fresh_s" in rows[0]
-    print(f"\ntransport: packet path vs raw send/recv of the same bytes ({backend}, GiB/s, median)")
-    print(f"{'case':<24}{'MiB':>8}{'packet':>9}{'raw':>9}{'packet/raw':>12}"
+    fresh = bool(rows) and "packet_fresh_s" in rows[0]
+    print(f"\ntransport: packet path vs raw send/recv of the same bytes ({backend}; GiB/s: median; "
+          "packet/raw: median of the per-repetition ratios)")
+    print(f"{'case':<24}{'MiB':>8}{'packet':>9}{'raw':>9}{'packet/raw':>12}{'A/A':>7}"
           + (f"{'fresh':>9}{'fresh/raw':>11}" if fresh else ""))
     for r in rows:
         line = (f"{r['case']:<24}{r['bytes'] / MiB:>8.2f}{r['packet_gib_s']:>9.3f}{r['raw_gib_s']:>9.3f}"
-                f"{r['packet/raw']:>12.3f}")
+                f"{r['packet/raw']:>12.3f}{r['raw_again/raw']:>7.3f}")
         if fresh:
             line += f"{r['packet_fresh_gib_s']:>9.3f}{r['packet_fresh/raw']:>11.3f}"
         print(line)
+    print("A/A: raw timed twice in each repetition, raw/raw again: how far from 1 this machine's noise alone is")
     if fresh:
         print("fresh: the packet path with a new receive buffer per packet (no pool), as before the fix")
 
@@ -143,7 +149,7 @@ def print_table(rows: list[dict], backend: str) -> None:
 def bench(rank: int, world: int, args: argparse.Namespace) -> list[dict] | None:
     backend = dist.get_backend()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    rows = [run_case(rank, device, name, n, args.feat_dim, args.reps, args.warmup)
+    rows = [run_case(rank, device, name, n, args.feat_dim, args.reps, args.warmup, not args.no_fresh)
             for name, n in cases(args.sizes, args.real_tokens, args.feat_dim)]
     if rank != 0:
         return None
@@ -187,9 +193,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--real-tokens", type=int, default=2048,
                    help="tokens of the realistic packet (2048 x 5x4096 bf16 = 80 MiB); 0 skips it")
     p.add_argument("--feat-dim", type=int, default=FEAT_DIM)
-    p.add_argument("--reps", type=int, default=11)
+    p.add_argument("--reps", type=int, default=15)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--backend", default="auto", help="auto: nccl with CUDA, gloo otherwise")
+    p.add_argument("--no-fresh", action="store_true",
+                   help="skip the CPU comparison path that allocates a new receive buffer per packet")
     p.add_argument("--json", default="runs/bench/transport.json")
     args = p.parse_args(argv)
     if args.backend == "auto":

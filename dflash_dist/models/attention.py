@@ -8,29 +8,34 @@ Three entry points; every caller goes through them, and `impl=` (or the module d
                                                     drafter, the blocks of ALL sequences in one call
 
 Paths:
-  "ref"    loop over sequences (SDPA for the causal op, two score tensors and one softmax for the
+  "ref"    loop over sequences (SDPA for the causal op; two score tensors and one softmax for the
            drafter's). Runs everywhere and defines correctness; every other path is tested equal to it.
+  "sdpa"   drafter op: per run of at most SDPA_GROUP blocks of a sequence, one fused SDPA call over
+           [context | those blocks] with a boolean mask (for the causal op "sdpa" is "ref").
   "flex"   torch's flex_attention with a block mask built here from the sequence bounds, so fully
-           masked 128x128 tiles are skipped and fully visible ones skip the mask. Compiled.
+           masked 128x128 tiles are skipped and fully visible ones skip the mask function. Compiled.
   "flash"  flash_attn.flash_attn_varlen_func (causal op only): CUDA, fp16/bf16, flash-attn installed.
 
-Choice rule for "auto" (the default; DFLASH_ATTN=ref|flex|flash|auto or set_default_impl overrides it):
-  causal op:  CUDA and flash-attn importable and fp16/bf16 -> flash; else CUDA and flex -> flex; else ref.
-  drafter op: CUDA and flex -> flex; else ref.
-CPU stays on "ref" because it measured fastest there (docs/benchmarks.md, attention): compiled flex on
-CPU ran slower than the SDPA loop and takes ~20-40 s to compile; uncompiled flex materialises every
-score. flash-attn has no drafter path: a block's keys are a prefix of its sequence's context, and
-varlen windows cannot overlap. If compiling flex fails under "auto", the path falls back to "ref"
-with one warning; an explicit impl="flex" raises instead.
+Choice rule for "auto" (the default; DFLASH_ATTN=ref|sdpa|flex|flash|auto or set_default_impl overrides):
+  causal op:  CUDA, fp16/bf16 and flash-attn importable -> flash; else CUDA and flex -> flex; else ref.
+  drafter op: CUDA and flex -> flex; else sdpa.
+Why, on CPU (docs/benchmarks.md, attention): compiled flex ran slower than the SDPA loop for the causal
+op, has no backward (the drafter trains), and takes 20-40 s to compile per shape; uncompiled flex
+materialises every score. The drafter's "sdpa" beat "ref" there because the reference allocates ~10
+temporaries of A*h*B*L. flash-attn has no drafter path: a block's keys are a prefix of its sequence's
+context, and varlen key windows cannot overlap. If flex fails under "auto" (no compiler, say), the op
+falls back to ref/sdpa with one warning; an explicit impl="flex" raises instead.
 """
 from __future__ import annotations
 
 import importlib.util
 import logging
 import os
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 try:
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -39,8 +44,9 @@ except ImportError:  # torch < 2.5
 
 log = logging.getLogger(__name__)
 
-IMPLS = ("auto", "ref", "flex", "flash")
+IMPLS = ("auto", "ref", "sdpa", "flex", "flash")
 TILE = 128  # flex's sparse block size: the granularity at which tiles are skipped
+SDPA_GROUP = 32  # blocks per SDPA call in the drafter's "sdpa" path
 _default = os.environ.get("DFLASH_ATTN", "auto")
 # False runs flex_attention uncompiled, which materialises every score: tests and debugging only.
 flex_compile = True
@@ -71,7 +77,11 @@ def resolve(impl: str | None, op: str, x: torch.Tensor) -> str:
     if impl == "auto":
         if x.is_cuda and op == "causal" and x.dtype in (torch.float16, torch.bfloat16) and flash_available():
             return "flash"
-        return "flex" if x.is_cuda and flex_available() and not _flex_failed else "ref"
+        if x.is_cuda and flex_available() and not _flex_failed:
+            return "flex"
+        return "sdpa" if op == "block" else "ref"
+    if impl == "sdpa" and op == "causal":
+        return "ref"  # the causal reference is already one SDPA call per sequence
     if impl == "flash" and (op != "causal" or not x.is_cuda or not flash_available()):
         raise ValueError("attention impl 'flash' needs the causal op, CUDA tensors and flash-attn installed")
     if impl == "flex" and not flex_available():
@@ -81,7 +91,7 @@ def resolve(impl: str | None, op: str, x: torch.Tensor) -> str:
 
 # -- the target's causal attention ------------------------------------------------------------------
 
-def packed_causal_attention(q, k, v, cu_seqlens, impl: str | None = None):
+def packed_causal_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, impl: str | None = None) -> Tensor:
     """q: (N, h, d), k/v: (N, h_kv, d). Causal inside each sequence, never across. Returns (N, h, d)."""
     path = resolve(impl, "causal", q)
     if path == "flash":
@@ -92,7 +102,7 @@ def packed_causal_attention(q, k, v, cu_seqlens, impl: str | None = None):
     return _ref_causal(q, k, v, cu_seqlens)
 
 
-def _ref_causal(q, k, v, cu_seqlens):
+def _ref_causal(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor) -> Tensor:
     out = torch.empty_like(q)
     bounds = cu_seqlens.tolist()
     for s, e in zip(bounds[:-1], bounds[1:]):
@@ -102,7 +112,7 @@ def _ref_causal(q, k, v, cu_seqlens):
     return out
 
 
-def _flash_causal(q, k, v, cu_seqlens):
+def _flash_causal(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor) -> Tensor:
     from flash_attn import flash_attn_varlen_func
 
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
@@ -110,7 +120,7 @@ def _flash_causal(q, k, v, cu_seqlens):
     return flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True)
 
 
-def _flex_causal(q, k, v, cu_seqlens):
+def _flex_causal(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor) -> Tensor:
     n, dev = q.shape[0], q.device
     cu = cu_seqlens.to(dev)
     seq = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=dev), cu[1:] - cu[:-1], output_size=n)
@@ -120,20 +130,21 @@ def _flex_causal(q, k, v, cu_seqlens):
 
 # -- the drafter's block attention ------------------------------------------------------------------
 
-def block_context_attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_len, impl: str | None = None):
+def block_context_attention(q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k_blk: Tensor, v_blk: Tensor, ctx_len: Tensor,
+                            impl: str | None = None) -> Tensor:
     """DFlash draft attention for the blocks of ONE sequence.
 
     q, k_blk, v_blk: (A, B, h|h_kv, d): A blocks of B slots. k_ctx, v_ctx: (L, h_kv, d): the sequence's
     fused target context. ctx_len: (A,) int: block j sees context positions [0, ctx_len[j]) (strictly
     before its anchor) and the B slots of its own block in both directions; never another block.
     """
-    if resolve(impl, "block", q) == "flex":
+    if resolve(impl, "block", q) != "ref":
         start = torch.zeros_like(ctx_len)
         return packed_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, start, ctx_len, impl=impl)
     return _ref_block(q, k_ctx, v_ctx, k_blk, v_blk, ctx_len)
 
 
-def _ref_block(q, k_ctx, v_ctx, k_blk, v_blk, ctx_len):
+def _ref_block(q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k_blk: Tensor, v_blk: Tensor, ctx_len: Tensor) -> Tensor:
     """One softmax over two score tensors, (A, B, L) and (A, B, B), so memory grows with A*B*(L+B),
     not A*B*(L+A*B) as a dense mask over the concatenated keys would."""
     A, B, h, d = q.shape
@@ -152,36 +163,71 @@ def _ref_block(q, k_ctx, v_ctx, k_blk, v_blk, ctx_len):
     return out
 
 
-def packed_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_start, ctx_end, impl: str | None = None):
+def packed_block_attention(q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k_blk: Tensor, v_blk: Tensor, ctx_start: Tensor,
+                           ctx_end: Tensor, impl: str | None = None) -> Tensor:
     """DFlash draft attention for the blocks of every sequence of a packed batch, in one call.
 
     q, k_blk, v_blk: (A, B, h|h_kv, d); k_ctx, v_ctx: (N, h_kv, d), the packed context of all
     sequences. Block j sees context rows [ctx_start[j], ctx_end[j]) (its sequence's start up to its
     anchor, exclusive) and its own B slots both ways. Returns (A, B, h, d).
     """
-    if resolve(impl, "block", q) == "flex":
+    path = resolve(impl, "block", q)
+    if path == "flex":
         return _with_fallback(impl, lambda: _flex_block(q, k_ctx, v_ctx, k_blk, v_blk, ctx_start, ctx_end),
-                              lambda: _ref_packed_block(q, k_ctx, v_ctx, k_blk, v_blk, ctx_start, ctx_end))
+                              lambda: _sdpa_block(q, k_ctx, v_ctx, k_blk, v_blk, ctx_start, ctx_end))
+    if path == "sdpa":
+        return _sdpa_block(q, k_ctx, v_ctx, k_blk, v_blk, ctx_start, ctx_end)
     return _ref_packed_block(q, k_ctx, v_ctx, k_blk, v_blk, ctx_start, ctx_end)
 
 
-def _ref_packed_block(q, k_ctx, v_ctx, k_blk, v_blk, ctx_start, ctx_end):
-    """The per-sequence reference over each run of blocks that share a context start."""
-    out = torch.empty(q.shape, dtype=torch.result_type(q, v_ctx), device=q.device)
-    starts, ends = ctx_start.tolist(), ctx_end.tolist()
+def _runs(starts: list[int], longest: int | None = None) -> Iterator[tuple[int, int]]:
+    """(first, end) of each run of consecutive blocks sharing a context start, cut at `longest` blocks."""
     a = 0
     while a < len(starts):
-        b = a
-        while b < len(starts) and starts[b] == starts[a]:
+        b = a + 1
+        while b < len(starts) and starts[b] == starts[a] and (longest is None or b - a < longest):
             b += 1
-        s, e = starts[a], max(ends[a:b])
-        ctx_len = ctx_end[a:b] - s
-        out[a:b] = _ref_block(q[a:b], k_ctx[s:e], v_ctx[s:e], k_blk[a:b], v_blk[a:b], ctx_len)
+        yield a, b
         a = b
-    return out
 
 
-def _flex_block(q, k_ctx, v_ctx, k_blk, v_blk, ctx_start, ctx_end):
+def _ref_packed_block(q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k_blk: Tensor, v_blk: Tensor, ctx_start: Tensor,
+                      ctx_end: Tensor) -> Tensor:
+    """The per-sequence reference over each run of blocks that share a context start."""
+    starts, ends = ctx_start.tolist(), ctx_end.tolist()
+    outs = []
+    for a, b in _runs(starts):
+        s, e = starts[a], max(ends[a:b])
+        outs.append(_ref_block(q[a:b], k_ctx[s:e], v_ctx[s:e], k_blk[a:b], v_blk[a:b], ctx_end[a:b] - s))
+    return torch.cat(outs) if outs else q.new_empty(q.shape)
+
+
+def _sdpa_block(q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k_blk: Tensor, v_blk: Tensor, ctx_start: Tensor,
+                ctx_end: Tensor, group: int = SDPA_GROUP) -> Tensor:
+    """Per run of at most `group` blocks: one fused SDPA call over [context | the run's blocks] with a
+    boolean mask. Few large temporaries (the reference makes ~10 of size A*h*B*L, and fresh memory is
+    what CPU time goes to); the price is scoring every block against the run's other blocks, which the
+    group size bounds at group*B keys per query."""
+    A, B, h, d = q.shape
+    starts, ends = ctx_start.tolist(), ctx_end.tolist()
+    outs = []
+    for a, b in _runs(starts, group):
+        s, e = starts[a], max(ends[a:b])
+        n_q = (b - a) * B
+        sees_ctx = torch.arange(e - s, device=q.device) < (ctx_end[a:b] - s).repeat_interleave(B)[:, None]
+        blk = torch.arange(n_q, device=q.device) // B
+        mask = torch.cat([sees_ctx, blk[:, None] == blk[None, :]], 1)
+        # 4-D (1, heads, tokens, d): with 3-D inputs CPU SDPA takes its unfused path (measured 3.5x slower).
+        qs = q[a:b].flatten(0, 1).transpose(0, 1)[None]
+        ks, vs = (torch.cat([c[s:e], x[a:b].flatten(0, 1)]).transpose(0, 1)[None]
+                  for c, x in ((k_ctx, k_blk), (v_ctx, v_blk)))
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=h != ks.shape[1])
+        outs.append(o[0].transpose(0, 1).unflatten(0, (b - a, B)))
+    return torch.cat(outs) if outs else q.new_empty(q.shape)
+
+
+def _flex_block(q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k_blk: Tensor, v_blk: Tensor, ctx_start: Tensor,
+                ctx_end: Tensor) -> Tensor:
     A, B, h, d = q.shape
     n, dev = k_ctx.shape[0], q.device
     blk = torch.repeat_interleave(torch.arange(A, device=dev), B)
@@ -194,7 +240,8 @@ def _flex_block(q, k_ctx, v_ctx, k_blk, v_blk, ctx_start, ctx_end):
 
 # -- flex plumbing ----------------------------------------------------------------------------------
 
-def interval_block_mask(lo1, hi1, lo2, hi2, kv_len: int, tile: int = TILE):
+def interval_block_mask(lo1: Tensor, hi1: Tensor, lo2: Tensor | None, hi2: Tensor | None, kv_len: int,
+                        tile: int = TILE) -> "BlockMask":
     """BlockMask where query i sees keys [lo1[i], hi1[i]) and [lo2[i], hi2[i]) (the second optional).
 
     Built from the intervals in O(Q + tiles^2), never from a dense Q x K mask. A tile is "partial" when
@@ -252,7 +299,7 @@ def _flex_fn():
     return _flex_compiled
 
 
-def _flex(q, k, v, mask):
+def _flex(q: Tensor, k: Tensor, v: Tensor, mask: "BlockMask") -> Tensor:
     """q: (Q, h, d), k/v: (K, h_kv, d) -> (Q, h, d) contiguous, in q's dtype (autocast's on CUDA)."""
     dtype = torch.get_autocast_dtype("cuda") if q.is_cuda and torch.is_autocast_enabled("cuda") else q.dtype
     q, k, v = (t.to(dtype).transpose(0, 1).unsqueeze(0) for t in (q, k, v))
@@ -260,7 +307,7 @@ def _flex(q, k, v, mask):
     return out.squeeze(0).transpose(0, 1).contiguous()
 
 
-def _with_fallback(impl, fast, ref):
+def _with_fallback(impl: str | None, fast: Callable[[], Tensor], ref: Callable[[], Tensor]) -> Tensor:
     """Run the flex path; under "auto" a compile failure falls back to the reference once, loudly."""
     global _flex_failed
     if (impl or _default) != "auto":
