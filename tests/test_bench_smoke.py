@@ -85,3 +85,14 @@ def test_recv_pool_reuses_only_idle_buffers():
     assert pool.take(400).data_ptr() == pa  # idle again: reused, no fresh pages
     big = pool.take(5000)  # nothing idle is large enough: the largest idle buffer is replaced
     assert big.numel() == 5000 and len(pool.buffers) <= 2
+
+
+def test_recv_pool_replaces_an_idle_buffer_behind_a_busy_one():
+    """The buffer to replace is found by identity, also when it is not the first in the pool."""
+    pool = transport._RecvPool(max_buffers=2)
+    busy = pool.take(100)
+    idle = pool.take(200)
+    del idle
+    grown = pool.take(300)
+    assert [b.numel() for b in pool.buffers] == [100, 300]
+    assert busy.data_ptr() == pool.buffers[0].data_ptr() and grown.data_ptr() == pool.buffers[1].data_ptr()
