@@ -4,18 +4,19 @@ A rank blocked inside a recv cannot run a Python signal handler, so the handler 
 the agreement happens in band, on the gloo control group, at fixed points every rank reaches in the
 same order: the start of the epoch (or of the resumed part of it) and every `sync_every` global steps.
 
-At boundary k each rank waits for the all-reduce(MAX) it issued at boundary k-1 (its result is the
-decision for boundary k), then issues the next one. The wait costs nothing in steady state: a target
-reaches boundary k long after every drafter issued k-1, because targets run at most max_in_flight
-(<= sync_every) steps ahead. A drafter that prefetches into window k needs decision k early: it
-resolves it as soon as it first posts a recv past the boundary, which is after it issued k-1 itself.
-So a signal stops the run within about two windows, at a step boundary that every rank agrees on.
+At boundary k each rank waits for the all-reduce(MAX) it issued two boundaries earlier (its result is
+the decision for boundary k), then issues the next one. The wait costs nothing in steady state: a
+target reaches boundary k long after every drafter issued the vote of k-2 (see StopAgreement.LAG). A
+drafter that prefetches into window k needs decision k early: it resolves it as soon as it first posts
+a recv past the boundary, which is after it issued that vote itself. So a signal stops the run within
+about three windows, at a step boundary that every rank agrees on.
 """
 from __future__ import annotations
 
 import logging
 import signal
 import time
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -47,43 +48,50 @@ class StopFlag:
 
 class StopAgreement:
     """One per epoch (or resumed part of one). `boundary(k)` must be called for k = 1, 2, ... in
-    order by every rank; `decided(k)` may be called earlier to learn decision k (it waits for it)."""
+    order by every rank; `decided(k)` may be called earlier to learn decision k (it waits for it).
+
+    Decision k is the vote issued LAG boundaries earlier. With LAG = 1 a target arriving at boundary k
+    would wait for the drafters to reach boundary k-1, i.e. to come within one window of it; when the
+    targets are the bottleneck that is a stall of about one drafter step per window (measured: targets
+    waited 12-18% with sync_every=2). With LAG = 2 the drafters only need to be within 2 windows, which
+    they are, since they lag the targets by at most max_in_flight (<= sync_every) steps plus one.
+    """
+    LAG = 2
 
     def __init__(self, flag: StopFlag, group) -> None:
         self.flag, self.group = flag, group
-        self.pending: tuple | None = None  # (work, tensor, k of the decision it carries)
+        self.pending: deque = deque()  # (work, tensor, k of the decision it carries), oldest first
         self.decisions: dict[int, bool] = {}
-        self._issue(1)
+        for k in range(1, self.LAG + 1):
+            self._issue(k)
 
     def _issue(self, k: int) -> None:
         t = torch.tensor([int(self.flag.requested)], dtype=torch.int64)
-        self.pending = (dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True), t, k)
+        self.pending.append((dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True), t, k))
 
     def decided(self, k: int) -> bool:
-        """Decision for boundary k: stop there? Waits for the reduce issued at boundary k-1."""
+        """Decision for boundary k: stop there? Waits for the vote that carries it."""
         if k not in self.decisions:
-            work, t, pk = self.pending
-            assert pk == k, f"stop decision {k} asked before boundary {k - 1} was passed"
+            work, t, pk = self.pending.popleft()
+            assert pk == k, f"stop decision {k} asked out of order (next vote carries {pk})"
             work.wait()
             self.decisions[k] = bool(t.item())
-            self.pending = None
         return self.decisions[k]
 
     def boundary(self, k: int) -> bool:
         """At boundary k: True = stop here (every rank gets the same answer)."""
         if self.decided(k):
             return True
-        self._issue(k + 1)
+        self._issue(k + self.LAG)
         return False
 
     def finish(self) -> bool:
         """At the end of the epoch: resolve what is pending, then one blocking vote. True = stop."""
         pending = False
-        if self.pending is not None:
-            work, t, _ = self.pending
+        while self.pending:
+            work, t, _ = self.pending.popleft()
             work.wait()
-            pending = bool(t.item())
-            self.pending = None
+            pending |= bool(t.item())
         t = torch.tensor([int(self.flag.requested or pending)], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return bool(t.item())
