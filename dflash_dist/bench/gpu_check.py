@@ -36,8 +36,8 @@ import torch
 from dflash_dist.bench import attention as attn_bench
 from dflash_dist.config import TargetConfig, default_target_layer_ids
 from dflash_dist.models import attention as attn
-from dflash_dist.models.drafter import DFlashDrafter, DraftLayer, DraftSpec
-from dflash_dist.models.qwen3 import TinyQwen3, apply_rope
+from dflash_dist.models.drafter import DFlashDrafter, DraftSpec
+from dflash_dist.models.qwen3 import TinyQwen3
 from dflash_dist.objective import block_labels, dflash_loss
 
 QWEN3_8B = TargetConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
@@ -194,20 +194,6 @@ def check_target(rep: Report, model: TinyQwen3, tc: TargetConfig, full_layers: i
 
 # -- drafter step -----------------------------------------------------------------------------------
 
-def batched_layer_forward(self: DraftLayer, x, ctx, blk_rope, ctx_rope, segments):
-    """DraftLayer.forward with one packed_block_attention call instead of one call per sequence."""
-    a = self.self_attn
-    h = self.input_layernorm(x)
-    q = apply_rope(a.q(h), *blk_rope)
-    k_blk, v_blk = apply_rope(a.k(h), *blk_rope), a.v(h)
-    k_ctx, v_ctx = apply_rope(a.k(ctx), *ctx_rope), a.v(ctx)
-    start = torch.cat([torch.full_like(c, tok.start) for _, tok, c in segments])
-    end = torch.cat([tok.start + c for _, tok, c in segments])
-    out = attn.packed_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, start, end)
-    x = x + a.o_proj(out.flatten(-2))
-    return x + self.mlp(self.post_attention_layernorm(x))
-
-
 def check_drafter(rep: Report, target: TinyQwen3, tc: TargetConfig, lengths: list[int], dev: torch.device,
                   args) -> None:
     B = 16
@@ -254,15 +240,9 @@ def check_drafter(rep: Report, target: TinyQwen3, tc: TargetConfig, lengths: lis
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        original = DraftLayer.forward
-        for variant in ("per-seq", "batched"):
-            DraftLayer.forward = batched_layer_forward if variant == "batched" else original
-            try:
-                t = timed(step, args.reps, 1, dev)
-            finally:
-                DraftLayer.forward = original
-            rep.add("drafter", f"{layers}-layer step ms ({variant})", t * 1e3)
-            rep.add("drafter", f"{layers}-layer us/anchor ({variant})", t * 1e6 / A)
+        t = timed(step, args.reps, 1, dev)
+        rep.add("drafter", f"{layers}-layer step ms", t * 1e3)
+        rep.add("drafter", f"{layers}-layer us/anchor", t * 1e6 / A)
         del model, opt
         if dev.type == "cuda":
             torch.cuda.empty_cache()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dflash_dist.models.attention import block_context_attention
+from dflash_dist.models.attention import packed_block_attention
 from dflash_dist.models.qwen3 import MLP, Attention, RMSNorm, apply_rope, rope_cos_sin
 
 
@@ -43,17 +43,15 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_eps)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_eps)
 
-    def forward(self, x, ctx, blk_rope, ctx_rope, segments):
-        """x: (A, B, H) blocks; ctx: (N, H) fused context. segments: per sequence, (anchor slice,
-        token slice, ctx_len of its anchors): attention never leaves a sequence."""
+    def forward(self, x, ctx, blk_rope, ctx_rope, ctx_start, ctx_end):
+        """x: (A, B, H) blocks; ctx: (N, H) fused context of the packed batch. Block j attends to context
+        rows [ctx_start[j], ctx_end[j]) (its sequence, strictly before its anchor) and its own block."""
         a = self.self_attn
         h = self.input_layernorm(x)
         q = apply_rope(a.q(h), *blk_rope)
         k_blk, v_blk = apply_rope(a.k(h), *blk_rope), a.v(h)
         k_ctx, v_ctx = apply_rope(a.k(ctx), *ctx_rope), a.v(ctx)
-        out = torch.empty_like(q)
-        for anc, tok, ctx_len in segments:
-            out[anc] = block_context_attention(q[anc], k_ctx[tok], v_ctx[tok], k_blk[anc], v_blk[anc], ctx_len)
+        out = packed_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_start, ctx_end)
         x = x + a.o_proj(out.flatten(-2))
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -95,9 +93,9 @@ class DFlashDrafter(nn.Module):
         blk_pos = anchor_pos[:, None] + torch.arange(B, device=anchors.device)
         blk_rope = rope_cos_sin(blk_pos, s.head_dim, s.rope_theta, x.dtype)
         ctx_rope = rope_cos_sin(position_ids, s.head_dim, s.rope_theta, x.dtype)
-        cu, acu = cu_seqlens.tolist(), anchor_cu.tolist()
-        segments = [(slice(acu[i], acu[i + 1]), slice(cu[i], cu[i + 1]), anchor_pos[acu[i]:acu[i + 1]])
-                    for i in range(len(cu) - 1) if acu[i + 1] > acu[i]]
+        seq = torch.repeat_interleave(torch.arange(anchor_cu.numel() - 1, device=anchors.device),
+                                      anchor_cu[1:] - anchor_cu[:-1], output_size=anchors.numel())
+        ctx_start, ctx_end = cu_seqlens.to(anchors.device)[seq], anchors  # [sequence start, anchor)
         for layer in self.layers:
-            x = layer(x, ctx, blk_rope, ctx_rope, segments)
+            x = layer(x, ctx, blk_rope, ctx_rope, ctx_start, ctx_end)
         return self._lm_head(self.norm(x).to(self._lm_head.weight.dtype))
