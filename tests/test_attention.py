@@ -127,11 +127,11 @@ def block_grads(case, impl, dev):
     return [t.grad for t in leaves]
 
 
-@pytest.mark.parametrize("impl", ["sdpa", "flex"])
+# flex_attention has no backward on CPU, and the dispatcher never picks it there for training; its
+# gradients are checked where CUDA exists (the GPU check script runs this file there).
+@pytest.mark.parametrize("impl", ["sdpa"] + (["flex"] if torch.cuda.is_available() else []))
 def test_block_gradients_equal_reference(impl):
     """The drafter trains through this op: gradients must match too."""
-    if impl == "flex" and not torch.cuda.is_available():
-        pytest.skip("flex_attention has no backward on CPU")
     dev = "cuda" if impl == "flex" else "cpu"
     case = drafter_case(LAYOUTS["with_len1"], 4, 2)
     for g, g_ref in zip(block_grads(case, impl, dev), block_grads(case, "ref", dev)):
