@@ -128,7 +128,7 @@ def block_grads(case, impl, dev):
 
 
 # flex_attention has no backward on CPU, and the dispatcher never picks it there for training; its
-# gradients are checked where CUDA exists (the GPU check script runs this file there).
+# gradients are checked where CUDA exists (here, and in bench/gpu_check.py on a GPU machine).
 @pytest.mark.parametrize("impl", ["sdpa"] + (["flex"] if torch.cuda.is_available() else []))
 def test_block_gradients_equal_reference(impl):
     """The drafter trains through this op: gradients must match too."""
