@@ -8,7 +8,7 @@ import argparse
 
 from dflash_dist.bench.jobs import run_job, write_json
 
-COMMON = ["train.epochs=1", "data.synthetic.num_samples=600", "monitor.interval_s=5"]
+COMMON = ["train.epochs=1", "data.synthetic.num_samples=1500", "monitor.interval_s=5"]
 
 
 def main(argv=None) -> None:

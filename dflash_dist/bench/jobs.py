@@ -15,6 +15,8 @@ def run_job(nproc: int, overrides: list[str], timeout: float = 900) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix="dflash-bench-"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "dflash_dist.train", "wandb.mode=disabled", "train.resume=none", "train.export=false",
+           # Speed does not depend on what the tokens say: no corpus regeneration, no tau evaluation.
+           "data.synthetic.regenerate=false", "train.eval_prompts=0",
            f"train.run_dir={run_dir}", *overrides]
     t0 = time.perf_counter()
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))

@@ -13,7 +13,7 @@ import argparse
 
 from dflash_dist.bench.jobs import run_job, write_json
 
-COMMON = ["train.epochs=1", "data.synthetic.num_samples=600", "monitor.interval_s=5"]
+COMMON = ["train.epochs=1", "data.synthetic.num_samples=1500", "monitor.interval_s=5"]
 SCENARIOS = {
     "drafter has spare capacity": ["model.target.num_layers=16", "model.target.hidden_size=128",
                                    "model.target.intermediate_size=512", "model.draft.target_layer_ids=[12,13,14]",
