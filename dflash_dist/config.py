@@ -95,7 +95,10 @@ class ObjectiveConfig:
     block_size: int = 16
     num_anchors: int = 16  # per sequence (512 in the reference recipes)
     gamma: float = 0.0  # 0 = the paper's rule: 7 for B=16, 5 for B=10, 4 for B=8
+    # data: the corpus tokens; target_argmax / target_soft: distillation from the target's logits
+    # (its greedy token / its top-k softmax), which makes every target run its whole forward.
     labels: str = "data"
+    soft_top_k: int = 8  # logits per token sent for target_soft
 
 
 @dataclass
@@ -169,7 +172,7 @@ _CHOICES = {
     "model.target.kind": ("tiny", "hf"),
     "model.target.dtype": ("auto", "float32", "bfloat16", "float16"),
     "roles.mode": ("disaggregated", "colocated"),
-    "objective.labels": ("data",),
+    "objective.labels": ("data", "target_argmax", "target_soft"),
     "transport.dtype": ("auto", "float32", "bfloat16", "float16"),
     "dist.backend": ("auto", "gloo", "nccl"),
     "wandb.mode": ("online", "offline", "disabled"),
@@ -232,6 +235,12 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"config key '{key}': must be > 0, got {_get(cfg, key)!r}")
     if cfg.objective.block_size < 2:
         raise ConfigError(f"config key 'objective.block_size': must be >= 2, got {cfg.objective.block_size}")
+    if cfg.objective.soft_top_k < 1:
+        raise ConfigError(f"config key 'objective.soft_top_k': must be >= 1, got {cfg.objective.soft_top_k}")
+    if cfg.objective.labels == "target_soft" and cfg.model.target.kind == "tiny" \
+            and cfg.objective.soft_top_k > cfg.model.target.vocab_size:
+        raise ConfigError(f"config key 'objective.soft_top_k': {cfg.objective.soft_top_k} exceeds the target's "
+                          f"vocabulary ({cfg.model.target.vocab_size})")
     if cfg.roles.drafters_per_node < 1:
         raise ConfigError("config key 'roles.drafters_per_node': must be >= 1")
     if cfg.train.sync_every < cfg.transport.max_in_flight:

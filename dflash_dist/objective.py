@@ -4,6 +4,11 @@ Anchors of a sequence are drawn uniformly without replacement among positions p 
 supervised and that leave room for a whole block inside the sequence (p + B - 1 < len). The draw uses a
 generator seeded by (seed, epoch, batch) alone, so a batch seen again (after a resume) gets the same
 anchors on any rank.
+
+Labels (`objective.labels`): `data` trains slot k on the token at anchor + k; `target_argmax` on the
+target's greedy token for that position and `target_soft` on the target's top-k distribution for it, both
+read from the target's logits at anchor + k - 1 (a causal LM's prediction for the next position). The
+slots that count and their weights are those of `block_labels` in every mode.
 """
 from __future__ import annotations
 
@@ -56,6 +61,45 @@ def block_labels(input_ids, loss_mask, cu_seqlens, anchors, anchor_cu, block_siz
     return labels, weights
 
 
+def target_label_width(labels: str, soft_top_k: int) -> int:
+    """Target ids sent per token: 0 for data labels, 1 (the argmax) or the top-k indices."""
+    return {"data": 0, "target_argmax": 1, "target_soft": soft_top_k}[labels]
+
+
+@torch.no_grad()
+def target_predictions(logits: torch.Tensor, labels: str, soft_top_k: int):
+    """What a target sends from its logits (N, V): ids (N, w) int64 and, for soft labels, the matching
+    top-k logits (N, k) float32 (else None). `topk` sorts descending, so column 0 is the top-1 token."""
+    if labels == "target_argmax":
+        return logits.argmax(-1, keepdim=True), None
+    if labels == "target_soft":
+        values, ids = logits.topk(soft_top_k, dim=-1)
+        return ids, values.float()
+    raise ValueError(f"objective.labels={labels!r} takes no target predictions")
+
+
+def _predicted_at(per_token: torch.Tensor, labels: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """per_token (N, ...) indexed at anchor + k - 1 for every slot: (A, B, ...). Untrained slots (slot 0,
+    or anchor + k past the sequence) read a clamped, arbitrary row; callers mask them with `labels`."""
+    B = labels.shape[1]
+    pos = anchors[:, None] + torch.arange(B, device=anchors.device) - 1
+    return per_token[pos.clamp(0, per_token.shape[0] - 1)]
+
+
+def argmax_block_labels(target_ids: torch.Tensor, labels: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """Data labels (A, B) from `block_labels` -> the target's greedy tokens (N,) at anchor + k - 1, on
+    exactly the same trained slots (-100 elsewhere)."""
+    return torch.where(labels >= 0, _predicted_at(target_ids, labels, anchors), labels)
+
+
+def soft_block_targets(top_values: torch.Tensor, top_ids: torch.Tensor, labels: torch.Tensor, anchors: torch.Tensor):
+    """Top-k logits/ids (N, k) -> (probs (A, B, k): softmax renormalised over the top k, ids (A, B, k),
+    top-1 labels (A, B) on the trained slots of `labels`, -100 elsewhere; used for the metrics)."""
+    ids = _predicted_at(top_ids, labels, anchors)
+    probs = torch.softmax(_predicted_at(top_values, labels, anchors).float(), dim=-1)
+    return probs, ids, torch.where(labels >= 0, ids[..., 0], labels)
+
+
 @dataclass
 class StepMetrics:
     loss_sum: float  # sum of w * ce
@@ -66,10 +110,17 @@ class StepMetrics:
     num_blocks: int
 
 
-def dflash_loss(logits, labels, weights):
-    """Weighted cross-entropy normalised by the sum of weights, and the metrics of this batch."""
+def dflash_loss(logits, labels, weights, soft=None):
+    """Weighted cross-entropy normalised by the sum of weights, and the metrics of this batch.
+    soft: optional (probs, ids) (A, B, k) from `soft_block_targets`; the cross-entropy is then against
+    that distribution (-sum_i p_i log q(ids_i)), and `labels` (its top-1) serves only the metrics."""
     A, B, V = logits.shape
-    ce = F.cross_entropy(logits.reshape(-1, V).float(), labels.reshape(-1).clamp(min=0), reduction="none").view(A, B)
+    if soft is None:
+        ce = F.cross_entropy(logits.reshape(-1, V).float(), labels.reshape(-1).clamp(min=0), reduction="none").view(A, B)
+    else:
+        probs, ids = soft
+        logq = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids)
+        ce = -(probs * logq).sum(-1)
     wsum = weights.sum()
     loss = (ce * weights).sum() / wsum.clamp(min=1e-9)
     with torch.no_grad():

@@ -28,11 +28,13 @@ from dflash_dist.data.collate import collate
 from dflash_dist.data.dataset import preparation_skips
 from dflash_dist.models.build import build_drafter
 from dflash_dist.monitor import Monitor, Progress, Sinks
-from dflash_dist.objective import anchor_generator, block_labels, draw_anchors, dflash_loss
+from dflash_dist.objective import (anchor_generator, argmax_block_labels, block_labels, draw_anchors, dflash_loss,
+                                   soft_block_targets, target_label_width)
 from dflash_dist.plan import build_plan, broadcast_plan, plan_kwargs
 from dflash_dist.balance import balance_advice, format_advice
 from dflash_dist.checkpoint import Cursor
 from dflash_dist.roles.common import RoleResult, RunSetup, plan_digest, start_step
+from dflash_dist.roles.target import capture_for_drafter
 from dflash_dist.stop import StopAgreement
 from dflash_dist.transport import Packet, PacketError, PendingPacket
 
@@ -62,9 +64,9 @@ class LocalPacket:
         d, run = self.d, self.d.run
         t0 = time.perf_counter()
         batch = collate(run.dataset, self.plan.batch(self.b)).to(d.device)
-        feats, _ = run.target.capture(batch.input_ids, batch.cu_seqlens, batch.position_ids, run.spec.target_layer_ids)
+        feats, labels = capture_for_drafter(run.target, batch, run.spec.target_layer_ids, run.cfg.objective)
         d.local_target_s += time.perf_counter() - t0
-        return Packet(self.epoch, self.b, batch, feats.to(d.feat_dtype), d.local_target_s, 0.0)
+        return Packet(self.epoch, self.b, batch, feats.to(d.feat_dtype), d.local_target_s, 0.0, labels)
 
 
 def weights_digest(model: torch.nn.Module) -> str:
@@ -90,6 +92,7 @@ class Drafter:
         self.total_steps = sum(self.layout.num_steps(n) for n in run.epoch_counts)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.total_steps, o.warmup_ratio, o.min_lr_ratio))
         self.gamma = loss_gamma(cfg.objective)
+        self.label_width = target_label_width(cfg.objective.labels, cfg.objective.soft_top_k)
         self.feat_dim = len(run.spec.target_layer_ids) * run.spec.hidden_size
         self.feat_dtype = next(run.target.parameters()).dtype if cfg.transport.dtype == "auto" else \
             getattr(torch, cfg.transport.dtype)
@@ -116,7 +119,13 @@ class Drafter:
             logits = self.ddp(packet.features, d.input_ids, d.cu_seqlens, d.position_ids, anchors, anchor_cu)
         labels, weights = block_labels(d.input_ids, d.loss_mask, d.cu_seqlens, anchors, anchor_cu,
                                        cfg.objective.block_size, self.gamma)
-        return dflash_loss(logits, labels, weights)
+        t = packet.target
+        if t is None:
+            return dflash_loss(logits, labels, weights)
+        if t.values is None:
+            return dflash_loss(logits, argmax_block_labels(t.ids[:, 0], labels, anchors), weights)
+        probs, ids, top1 = soft_block_targets(t.values, t.ids, labels, anchors)
+        return dflash_loss(logits, top1, weights, soft=(probs, ids))
 
     def _idle_loss(self):
         """A zero-weight step for a drafter without a batch in the tail step (keeps DDP in lockstep)."""
@@ -171,7 +180,8 @@ class Drafter:
                     idx = plan.batch(b)
                     n_tok = int(self.run.dataset.lengths[idx].sum())
                     pending.append((b, PendingPacket(layout.route(b)[0], epoch, b, n_tok, len(idx), self.feat_dim,
-                                                     self.feat_dtype, self.device)))
+                                                     self.feat_dtype, self.device, label_width=self.label_width,
+                                                     soft=cfg.objective.labels == "target_soft")))
                 nxt += 1
 
         B = cfg.objective.block_size

@@ -2,6 +2,8 @@
 
 Batches are handled in increasing b, in windows of `train.sync_every` global steps; between windows
 the rank takes part in the stop agreement (stop.py), exactly where the drafters do.
+With distillation labels the forward runs to the logits and the packet also carries the target's
+predictions (objective.py, transport.py).
 """
 from __future__ import annotations
 
@@ -13,12 +15,25 @@ import torch
 from dflash_dist.checkpoint import Cursor
 from dflash_dist.data.collate import collate
 from dflash_dist.models.build import compute_dtype
+from dflash_dist.objective import target_predictions
 from dflash_dist.plan import broadcast_plan
 from dflash_dist.roles.common import RoleResult, RunSetup, plan_digest, start_step
 from dflash_dist.stop import StopAgreement
-from dflash_dist.transport import PacketSender
+from dflash_dist.transport import PacketSender, TargetLabels
 
 log = logging.getLogger(__name__)
+
+
+def capture_for_drafter(target, batch, layer_ids, objective) -> tuple[torch.Tensor, TargetLabels | None]:
+    """The features of `layer_ids` and, for distillation labels, the target's predictions (which need
+    the whole forward; data labels stop after the last captured layer)."""
+    distill = objective.labels != "data"
+    feats, logits = target.capture(batch.input_ids, batch.cu_seqlens, batch.position_ids, layer_ids,
+                                   need_logits=distill)
+    if not distill:
+        return feats, None
+    ids, values = target_predictions(logits, objective.labels, objective.soft_top_k)
+    return feats, TargetLabels(ids, values)
 
 
 def run_target(run: RunSetup) -> RoleResult:
@@ -58,12 +73,12 @@ def run_target(run: RunSetup) -> RoleResult:
                 break
             t0 = time.perf_counter()
             batch = collate(run.dataset, plan.batch(b)).to(device)
-            feats, _ = target.capture(batch.input_ids, batch.cu_seqlens, batch.position_ids, spec.target_layer_ids)
+            feats, labels = capture_for_drafter(target, batch, spec.target_layer_ids, cfg.objective)
             feats = feats.to(dtype)
             if device.type == "cuda":
                 torch.cuda.current_stream().synchronize()  # honest compute time; the send waits on it anyway
             compute_s += time.perf_counter() - t0
-            sender.send(layout.route(b)[1], epoch, b, batch, feats, compute_s, sender.wait_s + plan_wait_s)
+            sender.send(layout.route(b)[1], epoch, b, batch, feats, compute_s, sender.wait_s + plan_wait_s, labels)
             sent += 1
         t0 = time.perf_counter()
         stop = agree.finish()
