@@ -150,7 +150,7 @@ class TrainConfig:
     checkpoint_every_steps: int = 0  # 0 = off
     checkpoint_every_min: float = 0.0  # 0 = off
     keep_last: int = 3  # checkpoints kept (0 = all)
-    sync_every: int = 2  # steps between stop votes (>= transport.max_in_flight); a stop lands within 2 windows
+    sync_every: int = 2  # steps between stop votes (>= transport.max_in_flight); a stop lands within 3 windows
 
 
 @dataclass

@@ -51,7 +51,8 @@ def run_target(run: RunSetup) -> RoleResult:
     for epoch in range(run.cursor.epoch, cfg.train.epochs):
         t0 = time.perf_counter()
         plan = broadcast_plan(None, src=0, group=ctx.ctrl_group)
-        plan_wait_s += time.perf_counter() - t0
+        if epoch > run.cursor.epoch:  # the first plan waits for rank 0's start-up (and tau), not the pipeline
+            plan_wait_s += time.perf_counter() - t0
         n, start = len(plan), start_step(run, epoch)
         steps = layout.num_steps(n)
         mine = [b for b in layout.batches_of(ctx.rank, n) if b // D >= start]
