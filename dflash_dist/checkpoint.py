@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from dflash_dist.config import Config, ConfigError, to_dict
+from dflash_dist.fsutil import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -41,14 +42,6 @@ def checkpoint_path(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / CKPT_DIR / f"step-{step:08d}"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(run_dir: Path, step: int, state: dict, meta: dict, keep_last: int = 0,
                     _fail_after_state: bool = False) -> Path:
     """Write atomically; then delete all but the newest `keep_last` (0 = keep all)."""
@@ -66,7 +59,7 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, meta: dict, keep_last
     if final.exists():  # the same step saved again (e.g. a stop right after a periodic save)
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     log.info("saved checkpoint %s", final)
     if keep_last > 0:
         for old in list_checkpoints(run_dir)[:-keep_last]:

@@ -88,3 +88,26 @@ def final_digest(log: str) -> str:
     found = set(re.findall(r"final drafter weights digest (\w+)", log))
     assert len(found) == 1, found
     return found.pop()
+
+
+def spawn(n: int, fn, *args, timeout: float = 60) -> list:
+    """Run fn(rank, port, queue, *args) in n spawned processes (a free loopback port for their
+    rendezvous); returns the n items they put on the queue. Stragglers are killed, never awaited."""
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=fn, args=(r, port, q, *args)) for r in range(n)]
+    for p in procs:
+        p.start()
+    try:
+        return [q.get(timeout=timeout) for _ in range(n)]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()

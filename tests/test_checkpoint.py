@@ -1,12 +1,12 @@
 import datetime
 import os
-import socket
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from helpers import spawn
 
 from dflash_dist.checkpoint import Cursor, list_checkpoints, resolve_resume, save_checkpoint
 from dflash_dist.config import ConfigError, load_config, to_dict
@@ -73,17 +73,7 @@ def _agree_worker(rank, port, q):
 
 
 def test_a_failure_on_one_rank_stops_every_rank_with_its_message():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_agree_worker, args=(r, port, q)) for r in range(3)]
-    for p in procs:
-        p.start()
-    got = dict(q.get(timeout=60) for _ in range(3))
-    for p in procs:
-        p.join(timeout=20)
+    got = dict(spawn(3, _agree_worker))
     assert sorted(got) == [0, 1, 2]
     for msg in got.values():
         assert msg == "rank 2 (target) cannot start: tokens.bin: token id 999 >= vocab 128 at sample 4"

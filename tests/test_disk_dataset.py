@@ -180,7 +180,7 @@ def test_interrupted_write_leaves_nothing_valid(tmp_path, monkeypatch):
     """An exception after the arrays are written but before the rename: no dataset, no leftovers."""
     def boom(path):
         raise OSError("disk full")
-    monkeypatch.setattr(disk, "_fsync_dir", boom)  # called after the data files and meta.json are written
+    monkeypatch.setattr(disk, "fsync_dir", boom)  # called after the data files and meta.json are written
     with pytest.raises(OSError, match="disk full"):
         write_dataset(tmp_path / "ds", make_dataset())
     assert os.listdir(tmp_path) == []

@@ -4,13 +4,11 @@ import datetime
 import json
 import math
 import os
-import socket
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dflash_dist.config import ConfigError, load_config
 from dflash_dist.data.collate import PackedBatch
@@ -18,7 +16,7 @@ from dflash_dist.objective import (argmax_block_labels, block_labels, dflash_los
                                    target_label_width, target_predictions)
 from dflash_dist.transport import PacketSender, PendingPacket, TargetLabels
 
-from helpers import torchrun
+from helpers import spawn, torchrun
 
 B, V = 8, 40
 CU = torch.tensor([0, 20, 26])
@@ -183,19 +181,7 @@ def _worker(rank, port, q):
 
 
 def test_packet_with_target_labels_round_trips():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(q.get(timeout=60) for _ in range(2))
-    for p in procs:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
+    results = dict(spawn(2, _worker))
     assert "exception" not in results, results["exception"]
     assert results["receiver"] == len(KINDS)
     assert results["sender"] == [3, 3, 4, 3]  # the data path stays three tensors; soft adds the values

@@ -1,12 +1,10 @@
 """The real entry point under torchrun: 3 ranks (2 targets + 1 drafter) and 4 ranks (2 + 2)."""
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 
-from helpers import TORCHRUN, epoch_lines, metrics, torchrun
+from helpers import epoch_lines, metrics, torchrun
 
 
 def check_run(res, run_dir, nproc, drafters, samples=160):

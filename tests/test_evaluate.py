@@ -17,15 +17,6 @@ from dflash_dist.models.build import build_drafter, build_target, draft_spec
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run thousands of small ops: intra-op threads only add synchronisation, and on a
-    shared CPU they made these tests up to 30x slower (measured)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def setup(block_size: int = 16, draft_layers: int = 1):
     cfg = load_config(overrides=[f"objective.block_size={block_size}", f"model.draft.num_layers={draft_layers}"])

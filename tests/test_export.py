@@ -13,15 +13,6 @@ from dflash_dist.models.build import build_drafter, build_target, draft_spec
 
 CPU = torch.device("cpu")
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run thousands of small ops: intra-op threads only add synchronisation, and on a
-    shared CPU they made these tests up to 30x slower (measured)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 LAYER_KEYS = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
               "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
               "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",

@@ -17,15 +17,6 @@ SHAPE = dict(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_l
 LENGTHS = (13, 5, 21)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run thousands of small ops: intra-op threads only add synchronisation, and on a
-    shared CPU they made these tests up to 30x slower (measured)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
 def saved(request, tmp_path_factory):

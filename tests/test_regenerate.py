@@ -16,15 +16,6 @@ from dflash_dist.models.build import build_target
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run thousands of small ops: intra-op threads only add synchronisation, and on a
-    shared CPU they made these tests up to 30x slower (measured)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def target():

@@ -37,7 +37,7 @@ def test_two_nodes_get_the_right_torchrun_arguments(tmp_path):
     for node, line in enumerate(lines):
         args = line.split()
         assert args[0].endswith("torchrun")
-        assert f"--nnodes=2" in args and f"--node_rank={node}" in args and "--rdzv_backend=c10d" in args
+        assert "--nnodes=2" in args and f"--node_rank={node}" in args and "--rdzv_backend=c10d" in args
         assert f"--rdzv_endpoint=gpu-node-7:{port}" in args and "--rdzv_id=123456" in args
         assert "--nproc_per_node=8" in args and "--max-restarts=2" in args
         assert args[-3:] == ["-m", "dflash_dist.train", "train.epochs=2"]

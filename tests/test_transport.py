@@ -2,12 +2,12 @@
 import os
 import traceback
 
-import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dflash_dist.data.collate import PackedBatch
+from helpers import spawn
+
 from dflash_dist.transport import PacketError, PacketSender, PendingPacket
 
 
@@ -18,7 +18,7 @@ def _batch(seed):
         torch.randn(19, 12, generator=g)
 
 
-def _worker(rank, port, sent_batch_ids, q):
+def _worker(rank, port, q, sent_batch_ids):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=__import__("datetime").timedelta(seconds=20))
     try:
@@ -53,19 +53,7 @@ def _worker(rank, port, sent_batch_ids, q):
 
 
 def _run(sent):
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, sent, q)) for r in range(2)]
-    for p in procs: p.start()
-    results = [q.get(timeout=60) for _ in range(2)]
-    for p in procs:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
-    return results
+    return spawn(2, _worker, sent)
 
 
 def test_packets_arrive_intact_in_order():

@@ -31,6 +31,7 @@ from typing import Any, BinaryIO, Iterable
 import numpy as np
 
 from dflash_dist.data.dataset import TokenDataset
+from dflash_dist.fsutil import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -61,14 +62,6 @@ class DiskDataset(TokenDataset):
 
 
 # ----------------------------------------------------------------------------------------- writing
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
 
 class DatasetWriter:
     """Streams samples into a temporary sibling of `out_dir`; `commit` makes it appear atomically.
@@ -139,13 +132,13 @@ class DatasetWriter:
             json.dump(full, f, indent=2, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(self.tmp)
+        fsync_dir(self.tmp)
         old = None
         if self.out_dir.exists():  # overwrite: move the old one aside first (rename cannot replace a non-empty dir)
             old = self.out_dir.parent / f".{self.out_dir.name}.old-{uuid.uuid4().hex[:8]}"
             os.replace(self.out_dir, old)
         os.replace(self.tmp, self.out_dir)
-        _fsync_dir(self.out_dir.parent)
+        fsync_dir(self.out_dir.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         log.info("wrote %s: %d samples, %d tokens", self.out_dir, self.num_samples, self.num_tokens)
