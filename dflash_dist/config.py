@@ -47,7 +47,7 @@ class DraftConfig:
     # Empty = the DFlash rule: one id spread per drafted feature layer over [1, L-3].
     target_layer_ids: list[int] = field(default_factory=list)
     num_feature_layers: int = 3  # used only when target_layer_ids is empty
-    mask_token_id: int = -1  # -1 = last vocabulary row (unused by the synthetic corpus)
+    mask_token_id: int = -1  # -1: the tokenizer's mask token / first unused row (hf), last row (tiny)
     seed: int = 4321  # drafter initialisation
 
 

@@ -120,3 +120,19 @@ def test_kv_cached_greedy_matches_recompute(saved):
 def test_missing_directory_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_hf_target(tmp_path / "nope", dtype=torch.float32, device=torch.device("cpu"))
+
+
+def test_default_mask_token_is_the_tokenizers_or_the_first_unused_row(tmp_path):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from dflash_dist.models.hf_target import default_mask_token_id
+    vocab = {f"w{i}": i for i in range(40)}
+    fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="w0")))
+    fast.save_pretrained(tmp_path / "plain")
+    assert default_mask_token_id(tmp_path / "plain", vocab_size=64) == 40  # rows 40..63 are unused
+    assert default_mask_token_id(tmp_path / "plain", vocab_size=40) is None  # every row is a token
+    fast.add_special_tokens({"mask_token": "<mask>"})
+    fast.save_pretrained(tmp_path / "masked")
+    assert default_mask_token_id(tmp_path / "masked", vocab_size=64) == 40  # the added <mask> token
+    assert default_mask_token_id(tmp_path / "none", vocab_size=64) is None

@@ -44,7 +44,10 @@ def draft_spec(cfg: Config, target) -> DraftSpec:
                           f"use ids up to {L - 2}")
     if len(set(ids)) != len(ids):
         raise ConfigError(f"config key 'model.draft.target_layer_ids': {ids} has duplicates")
-    mask = d.mask_token_id if d.mask_token_id >= 0 else target.vocab_size - 1
+    mask = d.mask_token_id
+    if mask < 0:  # the tokenizer's mask token or first unused row (hf); the last row (tiny target)
+        mask = getattr(target, "default_mask_token_id", None)
+        mask = target.vocab_size - 1 if mask is None else mask
     if not 0 <= mask < target.vocab_size:
         raise ConfigError(f"config key 'model.draft.mask_token_id': {mask} outside the vocabulary [0, {target.vocab_size})")
     heads = d.num_heads or target.num_heads

@@ -207,6 +207,22 @@ def check_packed_capture(target: HFTarget, lengths=(7, 4)) -> None:
                                  f"{name} (relative error {err:.3g}); this architecture is not supported")
 
 
+def default_mask_token_id(path: Path, vocab_size: int) -> int | None:
+    """The tokenizer's mask token if it has one, else the first embedding row no token uses (models pad
+    their vocabulary: Qwen3 has ~270 unused rows). None when neither exists or there is no tokenizer."""
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        return None  # (AutoTokenizer would build an empty tokenizer from config.json alone)
+    try:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:  # no tokenizer files: the user must give model.draft.mask_token_id
+        log.info("no tokenizer in %s (%s): mask token id must come from the config", path, type(exc).__name__)
+        return None
+    if tok.mask_token_id is not None and tok.mask_token_id < vocab_size:
+        return int(tok.mask_token_id)
+    return len(tok) if len(tok) < vocab_size else None
+
+
 def load_hf_target(path: str | Path, dtype: torch.dtype, device: torch.device, verify: bool = True) -> HFTarget:
     """Loads a causal LM from a LOCAL directory (never downloads), frozen, in eval mode, on `device`."""
     try:
@@ -218,6 +234,7 @@ def load_hf_target(path: str | Path, dtype: torch.dtype, device: torch.device, v
         raise FileNotFoundError(f"model.target.path={path}: no config.json (a local model directory is required)")
     hf = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, **{_dtype_kwarg(): dtype})
     target = HFTarget(hf).to(device=device, dtype=dtype).eval()
+    target.default_mask_token_id = default_mask_token_id(path, target.vocab_size)
     log.info("target %s from %s: %d layers, hidden %d, vocab %d, %s on %s", type(hf).__name__, path,
              target.num_layers, target.hidden_size, target.vocab_size, dtype, device)
     if verify:
