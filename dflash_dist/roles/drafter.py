@@ -326,6 +326,8 @@ class Drafter:
                                            "loss": rec["loss"]})
                 if stopped_at is not None:
                     return self._stop(stopped_at, monitor)
+            if monitor is not None:
+                monitor.stop()  # training is over: no more progress lines during the final evaluation
             digest = self._check_replicas()
             summary = self._finish(run_dir, epochs_summary, digest) if self.is_rank0 else {}
             if sinks is not None:
