@@ -79,7 +79,7 @@ class DataConfig:
 
 @dataclass
 class PlanConfig:
-    token_budget: int = 3072  # real tokens per batch (49,152 in the reference run)
+    token_budget: int = 1024  # real tokens per batch (49,152 in the reference run)
     max_seqs: int = 64
     max_anchors: int = 0  # 0 = no cap on anchors per batch
 
