@@ -204,10 +204,11 @@ def main(argv=None) -> int:
         return 2
     rows = [(name, acceptance_length(target, drafter, prompts, args.max_new_tokens, strict=args.strict))
             for name, prompts in sets.items()]
-    print(f"{'prompt set':<24} {'prompts':>7} {'steps':>6} {'tau':>6} {'B':>3}  exact")
-    for name, r in rows:
-        print(f"{name:<24} {r['num_prompts']:>7} {r['num_steps']:>6} {r['tau']:>6.3f} {r['block_size']:>3}  "
-              f"{'yes' if r['exact'] else 'NO (%d)' % r['mismatches']}")
+    # The command's result, a table on stdout; progress and diagnostics go to logging (stderr).
+    lines = [f"{'prompt set':<24} {'prompts':>7} {'steps':>6} {'tau':>6} {'B':>3}  exact"]
+    lines += [f"{name:<24} {r['num_prompts']:>7} {r['num_steps']:>6} {r['tau']:>6.3f} {r['block_size']:>3}  "
+              f"{'yes' if r['exact'] else 'NO (%d)' % r['mismatches']}" for name, r in rows]
+    sys.stdout.write("\n".join(lines) + "\n")
     return 0
 
 

@@ -347,7 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, ImportError) as exc:
         log.error("%s", exc)
         return 1
-    print(json.dumps({k: meta[k] for k in ("num_samples", "num_tokens", "num_supervised_tokens", "skipped")}))
+    # The command's result, one JSON line on stdout for scripts; progress and diagnostics go to logging.
+    sys.stdout.write(json.dumps({k: meta[k] for k in ("num_samples", "num_tokens", "num_supervised_tokens",
+                                                       "skipped")}) + "\n")
     return 0
 
 
