@@ -61,3 +61,32 @@ def test_shuffle_is_not_length_sorted():
     p = build_plan(lengths, sup, epoch=0, **KW)
     ordered = lengths[p.indices]
     assert not (np.all(np.diff(ordered) >= 0) or np.all(np.diff(ordered) <= 0))
+
+
+@pytest.mark.parametrize("lookahead, max_anchors", [(1, 0), (4, 0), (4, 150), (8, 0)])
+def test_lookahead_packing_matches_its_sample_by_sample_rule(lookahead, max_anchors):
+    lengths, sup = realistic(800, seed=2)
+    kw = dict(KW, max_anchors=max_anchors, num_anchors=32)
+    base = build_plan(lengths, sup, epoch=1, **kw)  # lookahead 0: the same shuffle, plain next-fit
+    p = build_plan(lengths, sup, epoch=1, lookahead=lookahead, **kw)
+    anc = np.minimum(sup, 32)
+    # By hand: fill while the next sample fits; then offer the next `lookahead` samples in order.
+    stream, batches = list(base.indices), []
+    while stream:
+        batch, tok, a = [], 0, 0
+        fits = lambda i: tok + lengths[i] <= KW["token_budget"] and len(batch) < KW["max_seqs"] and \
+            (not max_anchors or a + anc[i] <= max_anchors)
+        while stream and fits(stream[0]):
+            i = stream.pop(0); batch.append(i); tok += lengths[i]; a += anc[i]
+        if stream and len(batch) < KW["max_seqs"]:
+            window, kept = stream[:lookahead], []
+            for i in window:
+                if fits(i):
+                    batch.append(i); tok += lengths[i]; a += anc[i]
+                else:
+                    kept.append(i)
+            stream = kept + stream[lookahead:]
+        batches.append(batch)
+    assert [list(p.batch(b)) for b in range(len(p))] == batches
+    fill = lengths[p.indices].sum() / (len(p) * KW["token_budget"])
+    assert fill >= lengths[base.indices].sum() / (len(base) * KW["token_budget"])

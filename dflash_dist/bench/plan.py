@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_dist.config import PlanConfig
 from dflash_dist.plan import BatchPlan, build_plan
 
 TARGET_BUILD_S, TARGET_FILL, TARGET_BCAST_S = 0.25, 0.95, 1.0
@@ -117,10 +118,11 @@ def time_broadcast(plan: BatchPlan, ranks: int, reps: int, scratch: Path) -> lis
 # ------------------------------------------------------------------------------------------ main
 
 def run(samples: int, epochs: int, token_budget: int, max_seqs: int, seed: int, ranks: int, reps: int,
-        scratch: Path) -> dict:
+        scratch: Path, lookahead: int = 0) -> dict:
     lengths, supervised = chat_lengths(samples, token_budget, seed)
-    kw = dict(seed=seed, token_budget=token_budget, max_seqs=max_seqs)
+    kw = dict(seed=seed, token_budget=token_budget, max_seqs=max_seqs, lookahead=lookahead)
     res: dict = {"samples": samples, "epochs": epochs, "token_budget": token_budget, "max_seqs": max_seqs,
+                 "lookahead": lookahead,
                  "seed": seed, "lengths": {"median": float(np.median(lengths)), "mean": float(lengths.mean()),
                                            "p99": float(np.percentile(lengths, 99)), "max": int(lengths.max())},
                  "plan": [], "sorted": [], "padded": []}
@@ -163,7 +165,7 @@ def report(res: dict) -> str:
     b = res["token_budget"]
     lines = [f"{res['samples']:,} samples, lengths median {res['lengths']['median']:,.0f} / mean "
              f"{res['lengths']['mean']:,.0f} / p99 {res['lengths']['p99']:,.0f} tokens; budget {b:,} tokens, "
-             f"max_seqs {res['max_seqs']}; skipped {res['skipped']}", "",
+             f"max_seqs {res['max_seqs']}, lookahead {res['lookahead']}; skipped {res['skipped']}", "",
              "| epoch | build s (wall) | build s (CPU) | batches | fill | seqs/batch min / median / max |",
              "|---:|---:|---:|---:|---:|---|"]
     for r in res["plan"]:
@@ -203,13 +205,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ranks", type=int, default=8, help="gloo processes for the broadcast timing (0: skip)")
     ap.add_argument("--reps", type=int, default=5, help="timed broadcasts")
+    ap.add_argument("--lookahead", type=int, default=PlanConfig.lookahead,
+                    help="plan.lookahead (0 = plain next-fit in shuffled order)")
     ap.add_argument("--json", default="runs/bench/plan.json", help="where to write the results")
     args = ap.parse_args(argv)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()[0]
     res = run(args.samples, args.epochs, args.token_budget, args.max_seqs, args.seed, args.ranks, args.reps,
-              out.parent)
+              out.parent, args.lookahead)
     res["machine"] = {"cpus": os.cpu_count(), "load_avg_1m_before": load_before, "load_avg_1m_after": os.getloadavg()[0]}
     out.write_text(json.dumps(res, indent=2))
     print(report(res))
