@@ -313,9 +313,9 @@ class Drafter:
             log.info("plan: %s batches over %d epochs = %d total; %d optimizer steps on %d drafters",
                      list(self.run.epoch_counts), cfg.train.epochs, sum(self.run.epoch_counts), self.total_steps, self.D)
         epochs_summary = []
-        self.tau_before = self._evaluate("untrained") if self.run.resume_from is None else None
-        self.progress.started = time.time()  # rates and ETA count training time only
         try:
+            self.tau_before = self._evaluate("untrained") if self.run.resume_from is None else None
+            self.progress.started = time.time()  # rates and ETA count training time only
             for epoch in range(self.run.cursor.epoch, cfg.train.epochs):
                 t0 = time.time()
                 stopped_at = self.run_epoch(epoch)
