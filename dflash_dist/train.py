@@ -51,10 +51,12 @@ def open_dataset(cfg: Config, target=None, device=None):
                              lambda: regenerate_responses(target, ds))
 
 
-def count_epochs(cfg: Config, ds) -> list[int]:
-    """Rank 0 counts every epoch's batches at start: the LR horizon and the ETA use this exact total."""
+def count_epochs(cfg: Config, ds) -> tuple[list[int], dict]:
+    """Rank 0 counts every epoch's batches at start (the LR horizon and the ETA use this exact total);
+    also the samples every plan skips, by reason (the same each epoch)."""
     lengths, sup = ds.lengths, ds.num_supervised
-    return [len(build_plan(lengths, sup, epoch=e, **plan_kwargs(cfg))) for e in range(cfg.train.epochs)]
+    plans = [build_plan(lengths, sup, epoch=e, **plan_kwargs(cfg)) for e in range(cfg.train.epochs)]
+    return [len(p) for p in plans], plans[0].skipped
 
 
 def build(cfg: Config, ctx: DistContext, stop_flag: StopFlag) -> RunSetup:
@@ -78,8 +80,8 @@ def build(cfg: Config, ctx: DistContext, stop_flag: StopFlag) -> RunSetup:
 
     counts = torch.zeros(cfg.train.epochs, dtype=torch.int64)
     if ctx.rank == 0:
-        counts[:] = torch.tensor(count_epochs(cfg, ds))
-        skipped = build_plan(ds.lengths, ds.num_supervised, epoch=0, **plan_kwargs(cfg)).skipped
+        per_epoch, skipped = count_epochs(cfg, ds)
+        counts[:] = torch.tensor(per_epoch)
         log.info("dataset: %d samples, %d tokens; skipped by the plan (counted, never truncated): %s%s", len(ds),
                  int(np.sum(ds.lengths)), skipped, f"; skipped when prepared: {prep}" if (prep := preparation_skips(ds)) else "")
         lay = ctx.layout

@@ -28,30 +28,42 @@ def _latest_cursor(run_dir):
     return json.loads(metas[-1].read_text())["cursor"]
 
 
-def test_sigterm_stops_saves_and_resumes_exactly(tmp_path, reference):
-    log1 = tmp_path / "first.log"
-    proc = start_torchrun(3, JOB, tmp_path, log1)
+def interrupt(run_dir, overrides, at_step, act, timeout):
+    """Start a 3-rank job, call act(agent process) once it reaches `at_step`, wait for every process
+    to end. Returns (log, seconds from act to the end, torchrun's exit code)."""
+    log = run_dir / "first.log"
+    proc = start_torchrun(3, JOB + overrides, run_dir, log)
     try:
-        wait_for(lambda: progress_step(tmp_path) >= 6, 120, "training to reach step 6")
+        wait_for(lambda: progress_step(run_dir) >= at_step, 120, f"training to reach step {at_step}")
         t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)  # to the torchrun agent, as Slurm or a user would
-        proc.wait(timeout=30)
+        act(proc)
+        proc.wait(timeout=timeout)
         took = time.monotonic() - t0
     finally:
         if proc.poll() is None:
             proc.kill()
-    out = log1.read_text()
+    return log.read_text(), took, proc.returncode
+
+
+def resume(run_dir):
+    res = torchrun(3, JOB, run_dir)  # train.resume=auto is the default
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-3000:]
+    assert "resumed from" in out
+    return out
+
+
+def test_sigterm_stops_saves_and_resumes_exactly(tmp_path, reference):
+    # SIGTERM to the torchrun agent, as Slurm or a user would send it.
+    out, took, rc = interrupt(tmp_path, [], 6, lambda p: p.send_signal(signal.SIGTERM), 30)
     assert "stopped on request" in out, out[-3000:]
     assert len(re.findall(r"exit code 75: stopped on request", out)) == 3, "every rank exits with the resume-me code"
-    assert proc.returncode != 0
+    assert rc != 0
     assert took < 20, f"signal to exit took {took:.1f}s"
     cursor = _latest_cursor(tmp_path)
     assert (cursor["epoch"], cursor["step"]) != (2, 0), "the stop must land mid-run"
-    # Resume (train.resume=auto is the default) and finish: bitwise the uninterrupted weights.
-    res = torchrun(3, JOB, tmp_path)
-    out2 = res.stdout + res.stderr
-    assert res.returncode == 0, out2[-3000:]
-    assert "resumed from" in out2
+    # Resume and finish: bitwise the uninterrupted weights.
+    out2 = resume(tmp_path)
     if cursor["step"]:
         assert f"resuming at step {cursor['step']}" in out2
     assert final_digest(out2) == reference
@@ -60,26 +72,15 @@ def test_sigterm_stops_saves_and_resumes_exactly(tmp_path, reference):
 
 @pytest.mark.parametrize("victim, role", [(2, "target"), (0, "drafter")])
 def test_dead_peer_ends_every_rank_with_its_name_then_resume_is_exact(tmp_path, reference, victim, role):
-    log1 = tmp_path / "first.log"
-    proc = start_torchrun(3, JOB + ["train.checkpoint_every_steps=3"], tmp_path, log1)
-    try:
-        wait_for(lambda: progress_step(tmp_path) >= 7, 120, "training to reach step 7")
+    def kill_victim(proc):
         pids = wait_for(lambda: (lambda p: p if len(p) == 3 else None)(worker_pids(proc.pid)), 10, "worker pids")
-        t0 = time.monotonic()
         os.kill(pids[victim], signal.SIGKILL)
-        proc.wait(timeout=60)
-        took = time.monotonic() - t0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    out = log1.read_text()
-    assert proc.returncode != 0
+
+    out, took, rc = interrupt(tmp_path, ["train.checkpoint_every_steps=3"], 7, kill_victim, 60)
+    assert rc != 0
     assert took < 4 * 3 + 10, f"exit after a dead peer took {took:.1f}s"
     # The survivors say who went silent (watchdog) rather than only "connection closed".
     assert re.search(rf"rank {victim} \({role}\) (went silent|failed)", out) or \
         re.search(rf"lost {role} rank {victim}", out), out[-4000:]
-    res = torchrun(3, JOB, tmp_path)
-    out2 = res.stdout + res.stderr
-    assert res.returncode == 0, out2[-3000:]
-    assert "resumed from" in out2 and final_digest(out2) == reference
+    assert final_digest(resume(tmp_path)) == reference
     print(f"{role} killed -> all exited: {took:.2f}s")
