@@ -82,7 +82,7 @@ class PlanConfig:
     token_budget: int = 1024  # real tokens per batch (49,152 in the reference run)
     max_seqs: int = 64
     max_anchors: int = 0  # 0 = no cap on anchors per batch
-    lookahead: int = 0  # once a batch is full, offer the next N samples; each that fits joins (0 = next-fit)
+    packing: str = "fill"  # fill: next-fit of the long half, gaps filled with the short half; next_fit: plain
 
 
 @dataclass
@@ -172,6 +172,7 @@ class Config:
 _CHOICES = {
     "model.target.kind": ("tiny", "hf"),
     "model.target.dtype": ("auto", "float32", "bfloat16", "float16"),
+    "plan.packing": ("fill", "next_fit"),
     "roles.mode": ("disaggregated", "colocated"),
     "objective.labels": ("data", "target_argmax", "target_soft"),
     "transport.dtype": ("auto", "float32", "bfloat16", "float16"),
@@ -252,8 +253,6 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"config key '{key}': must be >= 0")
     if not 0 < cfg.dist.heartbeat_s < cfg.dist.dead_after_s:
         raise ConfigError("config key 'dist.dead_after_s': must exceed dist.heartbeat_s > 0")
-    if cfg.plan.lookahead < 0:
-        raise ConfigError("config key 'plan.lookahead': must be >= 0")
     if cfg.plan.max_anchors < 0:
         raise ConfigError("config key 'plan.max_anchors': must be >= 0")
     s = cfg.data.synthetic

@@ -16,7 +16,7 @@ from dflash_dist.objective import (argmax_block_labels, block_labels, dflash_los
                                    target_label_width, target_predictions)
 from dflash_dist.transport import PacketSender, PendingPacket, TargetLabels
 
-from helpers import spawn, torchrun
+from helpers import metrics, spawn, torchrun
 
 B, V = 8, 40
 CU = torch.tensor([0, 20, 26])
@@ -197,7 +197,7 @@ def test_three_ranks_train_on_target_labels(tmp_path, labels):
     summary = json.loads((tmp_path / "summary.json").read_text())
     losses = [e["loss"] for e in summary["epochs"]]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses), losses
-    assert losses[-1] < losses[0], losses
+    assert_learns(tmp_path, losses)
     assert math.isfinite(summary["final_loss"]) and summary["samples"] == 3 * 160
 
 
@@ -206,4 +206,14 @@ def test_colocated_rank_trains_on_soft_labels(tmp_path):
     log = res.stdout + res.stderr
     assert res.returncode == 0, log[-4000:]
     losses = [e["loss"] for e in json.loads((tmp_path / "summary.json").read_text())["epochs"]]
-    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+    assert all(math.isfinite(x) for x in losses), losses
+    assert_learns(tmp_path, losses)
+
+
+def assert_learns(run_dir, epoch_losses):
+    """The loss drops in the first few steps (5-6 -> ~4.3 here), then wanders +-0.4 from batch to batch on
+    these 12-batch epochs: so the last epoch's mean is compared with the first step's loss, not with the
+    first epoch's mean (which holds that drop and the noise alike)."""
+    steps = sorted((r["step"], r["loss"]) for r in metrics(run_dir) if r.get("kind") == "progress" and r["step"] > 0)
+    assert steps, "no progress record after a step"
+    assert epoch_losses[-1] < steps[0][1] - 0.25, (steps, epoch_losses)

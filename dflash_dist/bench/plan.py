@@ -6,7 +6,9 @@ Lengths are a seeded two-component log-normal mix of chat samples (55% short exc
 tokens, 45% long or reasoning ones around 3,000; median ~1.5K, long tail capped at the budget), 50-80%
 of each supervised, plus a few samples over the budget so the skip counts show.
 
-  plan      build_plan: full shuffle, greedy packing under the real-token budget (what training runs)
+  plan      build_plan: full shuffle, greedy packing under the real-token budget (what training runs,
+            with --packing, default plan.packing = fill)
+  next-fit  build_plan(packing="next_fit") on the same shuffles: the plain rule, for comparison
   sorted    sort by length once, pack greedily once, shuffle only the batch order each epoch
   padded    shuffle, then batches padded to their longest sequence, under the same budget counted in
             padded tokens (what a padding collator needs to fit the same memory)
@@ -30,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash_dist.config import PlanConfig
-from dflash_dist.plan import BatchPlan, build_plan
+from dflash_dist.plan import PACKINGS, BatchPlan, build_plan
 
 TARGET_BUILD_S, TARGET_FILL, TARGET_BCAST_S = 0.25, 0.95, 1.0
 
@@ -118,20 +120,22 @@ def time_broadcast(plan: BatchPlan, ranks: int, reps: int, scratch: Path) -> lis
 # ------------------------------------------------------------------------------------------ main
 
 def run(samples: int, epochs: int, token_budget: int, max_seqs: int, seed: int, ranks: int, reps: int,
-        scratch: Path, lookahead: int = 0) -> dict:
+        scratch: Path, packing: str = PlanConfig.packing) -> dict:
     lengths, supervised = chat_lengths(samples, token_budget, seed)
-    kw = dict(seed=seed, token_budget=token_budget, max_seqs=max_seqs, lookahead=lookahead)
+    kw = dict(seed=seed, token_budget=token_budget, max_seqs=max_seqs)
     res: dict = {"samples": samples, "epochs": epochs, "token_budget": token_budget, "max_seqs": max_seqs,
-                 "lookahead": lookahead,
+                 "packing": packing,
                  "seed": seed, "lengths": {"median": float(np.median(lengths)), "mean": float(lengths.mean()),
                                            "p99": float(np.percentile(lengths, 99)), "max": int(lengths.max())},
-                 "plan": [], "sorted": [], "padded": []}
+                 "plan": [], "next_fit": [], "sorted": [], "padded": []}
     plans = []
     for e in range(epochs):
-        plan, wall, cpu = timed(build_plan, lengths, supervised, epoch=e, **kw)
+        plan, wall, cpu = timed(build_plan, lengths, supervised, epoch=e, packing=packing, **kw)
         plans.append(plan)
         res["plan"].append({"epoch": e, "build_s": wall, "build_cpu_s": cpu,
                             **shape(lengths, plan.indices, plan.offsets, token_budget)})
+        nf, wall, _ = timed(build_plan, lengths, supervised, epoch=e, packing="next_fit", **kw)
+        res["next_fit"].append({"epoch": e, "build_s": wall, **shape(lengths, nf.indices, nf.offsets, token_budget)})
     res["skipped"] = plans[0].skipped
     kept = plans[0].indices  # any epoch: the same samples
 
@@ -148,7 +152,7 @@ def run(samples: int, epochs: int, token_budget: int, max_seqs: int, seed: int, 
 
     # padded: the same shuffle as the plan, batches cut when the padded size would overflow.
     for e in range(epochs):
-        order = plans[e].indices  # the epoch's shuffled kept samples, in order
+        order = build_plan(lengths, supervised, epoch=e, packing="next_fit", **kw).indices  # shuffled order
         (batches, computed), wall, _ = timed(padded_batches, lengths[order], token_budget, max_seqs)
         real = int(lengths[order].sum())
         res["padded"].append({"epoch": e, "build_s": wall, "batches": batches,
@@ -165,18 +169,20 @@ def report(res: dict) -> str:
     b = res["token_budget"]
     lines = [f"{res['samples']:,} samples, lengths median {res['lengths']['median']:,.0f} / mean "
              f"{res['lengths']['mean']:,.0f} / p99 {res['lengths']['p99']:,.0f} tokens; budget {b:,} tokens, "
-             f"max_seqs {res['max_seqs']}, lookahead {res['lookahead']}; skipped {res['skipped']}", "",
+             f"max_seqs {res['max_seqs']}, packing {res['packing']}; skipped {res['skipped']}", "",
              "| epoch | build s (wall) | build s (CPU) | batches | fill | seqs/batch min / median / max |",
              "|---:|---:|---:|---:|---:|---|"]
     for r in res["plan"]:
         lines.append(f"| {r['epoch']} | {r['build_s']:.3f} | {r['build_cpu_s']:.3f} | {r['batches']:,} | "
                      f"{r['fill']:.2%} | {r['seqs_min']} / {r['seqs_median']:g} / {r['seqs_max']} |")
     mean = lambda rows, k: statistics.mean(r[k] for r in rows)  # noqa: E731
-    pl, so, pa = res["plan"], res["sorted"], res["padded"]
+    pl, nf, so, pa = res["plan"], res["next_fit"], res["sorted"], res["padded"]
     lines += ["", "| strategy (mean over epochs) | build s | batches | fill | real / computed | extra compute |",
               "|---|---:|---:|---:|---:|---:|",
-              f"| plan: shuffle + greedy packing | {mean(pl, 'build_s'):.3f} | {mean(pl, 'batches'):,.0f} | "
-              f"{mean(pl, 'fill'):.2%} | 100% | 1.00x |",
+              f"| plan ({res['packing']}): shuffle + greedy packing | {mean(pl, 'build_s'):.3f} | "
+              f"{mean(pl, 'batches'):,.0f} | {mean(pl, 'fill'):.2%} | 100% | 1.00x |",
+              f"| plan (next_fit), same shuffles | {mean(nf, 'build_s'):.3f} | {mean(nf, 'batches'):,.0f} | "
+              f"{mean(nf, 'fill'):.2%} | 100% | 1.00x |",
               f"| sorted by length, packed once | {res['sorted_once_s']:.3f} once, then {mean(so, 'build_s'):.4f} | "
               f"{mean(so, 'batches'):,.0f} | "
               f"{mean(so, 'fill'):.2%} | 100% | 1.00x |",
@@ -205,15 +211,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ranks", type=int, default=8, help="gloo processes for the broadcast timing (0: skip)")
     ap.add_argument("--reps", type=int, default=5, help="timed broadcasts")
-    ap.add_argument("--lookahead", type=int, default=PlanConfig.lookahead,
-                    help="plan.lookahead (0 = plain next-fit in shuffled order)")
+    ap.add_argument("--packing", default=PlanConfig.packing, choices=PACKINGS, help="plan.packing")
     ap.add_argument("--json", default="runs/bench/plan.json", help="where to write the results")
     args = ap.parse_args(argv)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()[0]
     res = run(args.samples, args.epochs, args.token_budget, args.max_seqs, args.seed, args.ranks, args.reps,
-              out.parent, args.lookahead)
+              out.parent, args.packing)
     res["machine"] = {"cpus": os.cpu_count(), "load_avg_1m_before": load_before, "load_avg_1m_after": os.getloadavg()[0]}
     out.write_text(json.dumps(res, indent=2))
     print(report(res))
