@@ -201,3 +201,26 @@ def test_cli_with_workers_matches_in_process(tok_dir, tmp_path):
         assert np.array_equal(getattr(ref, name), getattr(cli, name)), name
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)  # output exists, no --overwrite
     assert again.returncode == 1 and "already exists" in again.stderr
+
+
+def test_prepared_dataset_trains_under_torchrun(tok_dir, tmp_path):
+    """Issue 4's end: chat JSONL -> prepare -> `data.path=DIR` under torchrun with 3 ranks (2 targets, 1 drafter)."""
+    from helpers import torchrun
+
+    rng = np.random.default_rng(0)
+    words = ["the", "cat", "sat", "on", "a", "mat", "why", "is", "sky", "blue", "light", "scatters", "4", "ok."]
+    say = lambda k: " ".join(rng.choice(words, size=k))  # noqa: E731
+    convs = [openai([("user", say(rng.integers(2, 8))), ("assistant", say(rng.integers(3, 25)))]) for _ in range(90)]
+    lines = [json.dumps(c) for c in convs] + ["{broken", json.dumps(openai([("user", "long " * 60), ("assistant", "x")]))]
+    src = write_jsonl(tmp_path / "chat.jsonl", lines)
+    meta = prepare(str(tok_dir), str(src), str(tmp_path / "ds"), Options(max_length=200))
+    assert meta["num_samples"] == 90 and meta["skipped"]["bad_json"] == 1 and meta["skipped"]["over_length"] == 1
+
+    run = tmp_path / "run"
+    res = torchrun(3, [f"data.path={tmp_path / 'ds'}", "plan.token_budget=512"], run)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["samples"] == 3 * 90  # every prepared sample once per epoch
+    assert summary["skipped_in_preparation"]["bad_json"] == 1 and summary["skipped_in_preparation"]["over_length"] == 1
+    assert all(np.isfinite(e["loss"]) for e in summary["epochs"])
+    assert (run / "export" / "model.safetensors").is_file()
