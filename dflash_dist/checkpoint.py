@@ -113,6 +113,21 @@ def config_differences(saved: dict, current: dict) -> list[str]:
     return diffs
 
 
+def check_plan(meta: dict, path: Path, digests: list[str]) -> None:
+    """A checkpoint cut mid-epoch continues that epoch's plan at its cursor: the plan rebuilt now must be
+    the one it was cut from, or the rest of the epoch would repeat some samples and skip others. Same
+    config, another numpy or torch (whose shuffle streams carry no cross-version guarantee) could differ."""
+    c, saved = meta["cursor"], meta.get("plan_digests")
+    epoch = int(c["epoch"])
+    if not saved or int(c["step"]) == 0 or epoch >= len(saved):
+        return  # at an epoch boundary nothing of the old plan is reused (or a checkpoint from before this check)
+    if saved[epoch] != digests[epoch]:
+        raise ConfigError(f"checkpoint {path} was cut at epoch {epoch + 1} step {c['step']} of a plan with "
+                          f"fingerprint {saved[epoch]}, but the same config now builds {digests[epoch]} (another "
+                          "numpy or torch version?); resuming mid-epoch would repeat or skip samples. Resume "
+                          "with the original environment, or from a checkpoint at an epoch boundary")
+
+
 def resolve_resume(cfg: Config, num_drafters: int) -> tuple[Path | None, Cursor]:
     """Which checkpoint to continue from (train.resume = auto | none | PATH), validated against the
     current config. Every rank calls this before training, on the same (shared) run directory."""

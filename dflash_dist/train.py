@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dflash_dist.checkpoint import resolve_resume
+from dflash_dist.checkpoint import check_plan, read_meta, resolve_resume
 from dflash_dist.config import Config, ConfigError, load_config
 from dflash_dist.data.dataset import preparation_skips
 from dflash_dist.data.synthetic import synthetic_dataset
@@ -22,7 +22,7 @@ from dflash_dist.dist import DistContext, agree_on_failure, env_ranks, init_dist
 from dflash_dist.liveness import DONE, FAILED, Liveness
 from dflash_dist.models.build import build_target, draft_spec
 from dflash_dist.plan import build_plan, plan_kwargs
-from dflash_dist.roles.common import RoleResult, RunSetup
+from dflash_dist.roles.common import RoleResult, RunSetup, plan_digest
 from dflash_dist.stop import EXIT_RESUME, StopFlag
 from dflash_dist.topology import Layout, TopologyError
 
@@ -51,16 +51,17 @@ def open_dataset(cfg: Config, target=None, device=None):
                              lambda: regenerate_responses(target, ds))
 
 
-def count_epochs(cfg: Config, ds) -> tuple[list[int], dict]:
+def count_epochs(cfg: Config, ds) -> tuple[list[int], dict, list[str]]:
     """Rank 0 counts every epoch's batches at start (the LR horizon and the ETA use this exact total);
-    also the samples every plan skips, by reason (the same each epoch)."""
+    also the samples every plan skips, by reason (the same each epoch), and each plan's fingerprint."""
     lengths, sup = ds.lengths, ds.num_supervised
     plans = [build_plan(lengths, sup, epoch=e, **plan_kwargs(cfg)) for e in range(cfg.train.epochs)]
-    return [len(p) for p in plans], plans[0].skipped
+    return [len(p) for p in plans], plans[0].skipped, [plan_digest(p) for p in plans]
 
 
 def build(cfg: Config, ctx: DistContext, stop_flag: StopFlag) -> RunSetup:
     """Everything that can fail on bad input, on every rank, before any rank waits on another."""
+    digests: list[str] = []
     try:
         target = build_target(cfg, ctx.device)
         spec = draft_spec(cfg, target)
@@ -71,6 +72,10 @@ def build(cfg: Config, ctx: DistContext, stop_flag: StopFlag) -> RunSetup:
         if ds is not None and ds.vocab_size > spec.vocab_size:
             raise ConfigError(f"dataset vocabulary {ds.vocab_size} exceeds the target's {spec.vocab_size}")
         resume_from, cursor = resolve_resume(cfg, ctx.layout.num_drafters)
+        if ctx.rank == 0:  # rank 0 builds every plan; a mid-epoch resume must find the same one
+            per_epoch, skipped, digests = count_epochs(cfg, ds)
+            if resume_from is not None:
+                check_plan(read_meta(resume_from), resume_from, digests)
         failure = None
     except (ConfigError, ValueError, OSError) as exc:
         failure = exc
@@ -80,7 +85,6 @@ def build(cfg: Config, ctx: DistContext, stop_flag: StopFlag) -> RunSetup:
 
     counts = torch.zeros(cfg.train.epochs, dtype=torch.int64)
     if ctx.rank == 0:
-        per_epoch, skipped = count_epochs(cfg, ds)
         counts[:] = torch.tensor(per_epoch)
         log.info("dataset: %d samples, %d tokens; skipped by the plan (counted, never truncated): %s%s", len(ds),
                  int(np.sum(ds.lengths)), skipped, f"; skipped when prepared: {prep}" if (prep := preparation_skips(ds)) else "")
@@ -90,7 +94,7 @@ def build(cfg: Config, ctx: DistContext, stop_flag: StopFlag) -> RunSetup:
                  ctx.backend)
     dist.broadcast(counts, src=0, group=ctx.ctrl_group)
     return RunSetup(cfg=cfg, ctx=ctx, target=target, spec=spec, dataset=ds, epoch_counts=tuple(counts.tolist()),
-                    cursor=cursor, resume_from=resume_from, stop_flag=stop_flag)
+                    cursor=cursor, resume_from=resume_from, stop_flag=stop_flag, plan_digests=tuple(digests))
 
 
 def is_comm_error(exc: BaseException) -> bool:

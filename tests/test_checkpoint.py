@@ -77,3 +77,16 @@ def test_a_failure_on_one_rank_stops_every_rank_with_its_message():
     assert sorted(got) == [0, 1, 2]
     for msg in got.values():
         assert msg == "rank 2 (target) cannot start: tokens.bin: token id 999 >= vocab 128 at sample 4"
+
+
+def test_mid_epoch_resume_refuses_a_plan_that_changed(tmp_path):
+    from dflash_dist.checkpoint import check_plan
+
+    meta = {"cursor": {"epoch": 1, "step": 4}, "plan_digests": ["aaa", "bbb", "ccc"]}
+    check_plan(meta, tmp_path, ["aaa", "bbb", "ccc"])  # the same plans: fine
+    check_plan(meta, tmp_path, ["xxx", "bbb", "yyy"])  # only the cursor's epoch is continued
+    with pytest.raises(ConfigError, match=r"epoch 2 step 4 of a plan with fingerprint bbb, but the same config now "
+                                          r"builds zzz"):
+        check_plan(meta, tmp_path, ["aaa", "zzz", "ccc"])
+    check_plan(dict(meta, cursor={"epoch": 1, "step": 0}), tmp_path, ["aaa", "zzz", "ccc"])  # epoch boundary
+    check_plan({"cursor": {"epoch": 1, "step": 4}}, tmp_path, ["aaa", "zzz", "ccc"])  # saved before the check

@@ -62,6 +62,8 @@ def test_sigterm_stops_saves_and_resumes_exactly(tmp_path, reference):
     assert took < 20, f"signal to exit took {took:.1f}s"
     cursor = _latest_cursor(tmp_path)
     assert (cursor["epoch"], cursor["step"]) != (2, 0), "the stop must land mid-run"
+    meta = json.loads(sorted((tmp_path / "checkpoints").glob("step-*/meta.json"))[-1].read_text())
+    assert len(meta["plan_digests"]) == 2  # what a mid-epoch resume checks its rebuilt plan against
     # Resume and finish: bitwise the uninterrupted weights.
     out2 = resume(tmp_path)
     if cursor["step"]:

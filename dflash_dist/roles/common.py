@@ -26,6 +26,7 @@ class RunSetup:
     cursor: Cursor  # where this run starts: (0, 0) or the resumed checkpoint's cursor
     resume_from: Path | None
     stop_flag: StopFlag
+    plan_digests: tuple[str, ...] = ()  # rank 0: every epoch's plan fingerprint, kept with each checkpoint
 
 
 @dataclass(frozen=True)

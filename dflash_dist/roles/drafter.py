@@ -267,7 +267,8 @@ class Drafter:
                  "progress": {"step": p.step, "tokens": p.tokens, "samples": p.samples, "total_done": p.total_done},
                  "totals": self.totals}
         meta = {"cursor": {"epoch": cursor.epoch, "step": cursor.step}, "step": p.step, "num_drafters": self.D,
-                "config": to_dict(self.run.cfg), "epoch_counts": list(self.run.epoch_counts), "time": time.time()}
+                "config": to_dict(self.run.cfg), "epoch_counts": list(self.run.epoch_counts),
+                "plan_digests": list(self.run.plan_digests), "time": time.time()}
         return state, meta
 
     def _load(self, path: Path) -> None:
