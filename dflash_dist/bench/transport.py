@@ -12,6 +12,10 @@ packet/raw the median of the ratios of the two paths' times within each repetiti
   packet: PacketSender.send + flush  ->  PendingPacket(...).wait()   (header, meta, features)
   raw:    dist.send / dist.recv of one preallocated uint8 buffer of the packet's total bytes
   raw_again: raw once more, as an A/A control; packet_fresh (CPU): packet with the receive pool off
+  bare:   the packet's three messages as bare isend/irecv of preallocated buffers, no packet code: what
+          the protocol costs by itself
+Besides the medians, p10 (10th percentile) times: on a shared machine the noise only ever adds time,
+so the low percentiles show the fixed cost of each path that the medians blur.
 """
 from __future__ import annotations
 
@@ -107,8 +111,18 @@ def run_case(rank: int, device: torch.device, name: str, n_tokens: int, feat_dim
             transport._POOL = pool
 
     raw_paths = (lambda: dist.send(raw, 1), lambda: dist.recv(raw, 0))
+    n, s = batch.num_tokens, batch.num_seqs
+    parts = (torch.zeros(HEADER_LEN, dtype=torch.int64, device=device),
+             torch.zeros(2 * n + s + 1, dtype=torch.int64, device=device), feats)
+    into = [torch.empty_like(t) for t in parts] if rank == 1 else []
+
+    def bare(op, tensors, peer):
+        for w in [op(t, peer) for t in tensors]:
+            w.wait()
+
     # raw_again is the raw path timed a second time (an A/A control): its ratio is this machine's noise.
-    paths = {"packet": (packet_send, packet_recv), "raw": raw_paths, "raw_again": raw_paths}
+    paths = {"packet": (packet_send, packet_recv), "raw": raw_paths, "raw_again": raw_paths,
+             "bare": (lambda: bare(dist.isend, parts, 1), lambda: bare(dist.irecv, into, 0))}
     if device.type == "cpu" and fresh:
         paths["packet_fresh"] = (packet_send, fresh_recv)
     times: dict[str, list[float]] = {k: [] for k in paths}
@@ -123,6 +137,7 @@ def run_case(rank: int, device: torch.device, name: str, n_tokens: int, feat_dim
     for k, v in times.items():
         med = statistics.median(v) if rank == 0 else 0.0
         row[f"{k}_s"], row[f"{k}_gib_s"], row[f"{k}_all_s"] = med, gib / med if med else 0.0, v
+        row[f"{k}_p10_s"] = sorted(v)[len(v) // 10] if rank == 0 else 0.0
     for k in paths:  # per repetition, raw and this path ran back to back: the ratio of each pair, median
         if k != "raw" and rank == 0:
             row[f"{k}/raw"] = statistics.median(r / t for r, t in zip(times["raw"], times[k]))
@@ -133,15 +148,17 @@ def print_table(rows: list[dict], backend: str) -> None:
     fresh = bool(rows) and "packet_fresh_s" in rows[0]
     print(f"\ntransport: packet path vs raw send/recv of the same bytes ({backend}; GiB/s: median; "
           "packet/raw: median of the per-repetition ratios)")
-    print(f"{'case':<24}{'MiB':>8}{'packet':>9}{'raw':>9}{'packet/raw':>12}{'A/A':>7}"
-          + (f"{'fresh':>9}{'fresh/raw':>11}" if fresh else ""))
+    print(f"{'case':<24}{'MiB':>8}{'packet':>9}{'raw':>9}{'packet/raw':>12}{'A/A':>7}{'bare/raw':>10}"
+          f"{'p10 ms: packet':>16}{'bare':>7}{'raw':>7}" + (f"{'fresh':>9}{'fresh/raw':>11}" if fresh else ""))
     for r in rows:
         line = (f"{r['case']:<24}{r['bytes'] / MiB:>8.2f}{r['packet_gib_s']:>9.3f}{r['raw_gib_s']:>9.3f}"
-                f"{r['packet/raw']:>12.3f}{r['raw_again/raw']:>7.3f}")
+                f"{r['packet/raw']:>12.3f}{r['raw_again/raw']:>7.3f}{r['bare/raw']:>10.3f}"
+                f"{r['packet_p10_s'] * 1e3:>16.2f}{r['bare_p10_s'] * 1e3:>7.2f}{r['raw_p10_s'] * 1e3:>7.2f}")
         if fresh:
             line += f"{r['packet_fresh_gib_s']:>9.3f}{r['packet_fresh/raw']:>11.3f}"
         print(line)
     print("A/A: raw timed twice in each repetition, raw/raw again: how far from 1 this machine's noise alone is")
+    print("bare: the packet's three messages without packet code; p10: 10th-percentile time of a transfer")
     if fresh:
         print("fresh: the packet path with a new receive buffer per packet (no pool), as before the fix")
 
