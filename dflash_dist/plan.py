@@ -192,7 +192,8 @@ def _short_max(size: np.ndarray, budget: int, sample: int = 16384) -> float:
     tokens as the gaps next-fit will leave among the long ones.
 
     Too few short samples leave late gaps unfilled; too many leave short-only batches that the cap on
-    sequences can stop short of the budget (a margin of 0.75x to 2x was worse on every mix we tried). Next-fit leaves about E[L^2] / (2 E[L]) empty per batch
+    sequences can stop short of the budget (giving them 0.6x-2x the gaps' tokens instead of 1x was worse
+    on every mix measured, docs/benchmarks.md). Next-fit leaves about E[L^2] / (2 E[L]) empty per batch
     (the sample that overflows is length-biased). Estimated on the stream's first `sample` samples: the
     stream is shuffled, so they are a uniform sample, and sorting them costs ~1 ms.
     """
