@@ -80,13 +80,16 @@ def test_more_drafters_than_targets(tmp_path):
     assert len(set(re.findall(r"final drafter weights digest (\w+)", log))) == 1
 
 
-@pytest.mark.parametrize("override, expect", [
-    ("model.draft.target_layer_ids=[1,9]", "model.draft.target_layer_ids"),
-    ("model.draft.mask_token_id=500", "model.draft.mask_token_id"),
-    ("roles.drafters_per_node=2", "roles.drafters_per_node"),
-    ("objective.block_size=1", "objective.block_size"),
+@pytest.mark.parametrize("override, expect, ranks_saying_it", [
+    # Found once the groups formed: the vote makes every rank stop with the message.
+    ("model.draft.target_layer_ids=[1,9]", "model.draft.target_layer_ids", {2}),
+    ("model.draft.mask_token_id=500", "model.draft.mask_token_id", {2}),
+    # Found while parsing, before any group: every rank stops alike, but torchrun ends the others as soon
+    # as the first exits, so a rank still importing torch may be ended before it logs (seen in CI).
+    ("roles.drafters_per_node=2", "roles.drafters_per_node", {1, 2}),
+    ("objective.block_size=1", "objective.block_size", {1, 2}),
 ])
-def test_bad_input_exits_2_with_a_message_and_nobody_waits(tmp_path, override, expect):
+def test_bad_input_exits_2_with_a_message_and_nobody_waits(tmp_path, override, expect, ranks_saying_it):
     import time
     t0 = time.monotonic()
     res = torchrun(2, [override], tmp_path, timeout=60)
@@ -94,8 +97,8 @@ def test_bad_input_exits_2_with_a_message_and_nobody_waits(tmp_path, override, e
     assert res.returncode != 0 and expect in out, out[-2000:]
     assert re.search(r"exitcode\s*:\s*2", out), out[-2000:]
     assert not re.search(r'File ".*dflash_dist/', out), "a clear message, not a stack trace of ours"
-    # Both ranks stop with the message (errors found after the groups formed name the rank at fault).
-    assert len(re.findall(rf"(ERROR: |\] dflash_dist.train: ).*{re.escape(expect)}", out)) == 2, out[-3000:]
+    # The ranks stop with the message (errors found after the groups formed name the rank at fault).
+    assert len(re.findall(rf"(ERROR: |\] dflash_dist.train: ).*{re.escape(expect)}", out)) in ranks_saying_it, out[-3000:]
     assert time.monotonic() - t0 < 45
 
 
