@@ -47,8 +47,11 @@ def test_gpu_check_dry_run(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "tokens/s" in text and "us/anchor" in text
     data = json.loads(out.read_text())
-    for section in ("attention", "target", "drafter"):
+    for section in ("attention", "run", "target", "drafter"):
         assert "error" not in data[section], data[section].get("traceback")
+    # The end-to-end section ran the real entry point under torchrun (gloo, 2 ranks, on this CPU).
+    assert data["run"]["torchrun 2 ranks exit code"] == 0, data["run"].get("log_tail")
+    assert data["run"]["targets / drafters"] == "1 / 1" and data["run"]["tokens/s (training)"] > 0
     assert data["attention"]["causal flex fp32 max|diff|"] < 1e-5
     assert data["attention"]["drafter flex fp32 max|diff|"] < 1e-5
     assert data["target"]["tokens/s (ref->ref)"] > 0

@@ -13,6 +13,8 @@ Sections (each one is timed, interleaved where it compares, and reported even if
              layers at that shape: time per step and per anchor; as drafter.py runs it (one attention
              call per sequence) and batched (one packed_block_attention call per layer, the proposed change).
   transport  packet path vs raw NCCL send/recv between GPU 0 and GPU 1, when there are two.
+  run        the embedded tiny job end to end under torchrun with NCCL on every GPU (at most 8: one drafter
+             per node, the rest targets), when there are two or more: exit code, tokens/s, wait fractions.
 Prints one table and writes JSON. Without CUDA (and without --dry-run) it says so and exits with status 2.
 Time: flex compiles once or twice per op (automatic dynamic shapes), ~1 min each on a GPU; no section
 starts after --budget-s (240 s), so the whole check ends in about five minutes.
@@ -267,6 +269,38 @@ def check_transport(rep: Report, dev: torch.device, args) -> None:
                 f"packet/raw {r['packet/raw']:.2f}")
 
 
+# -- a short disaggregated run -----------------------------------------------------------------------
+
+def check_run(rep: Report, dev: torch.device, args) -> None:
+    import os
+    import subprocess
+
+    nproc = min(torch.cuda.device_count(), 8) if dev.type == "cuda" else 2
+    if nproc < 2:
+        rep.add("run", "NCCL run", "n/a", "needs two GPUs")
+        return
+    run_dir = Path(tempfile.mkdtemp())
+    # The embedded tiny job, one epoch, no evaluation: the point is the NCCL path, start to finish.
+    size = ["data.synthetic.num_samples=80", "data.synthetic.max_len=120"] if args.dry_run else []
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "dflash_dist.train", f"dist.backend={'nccl' if dev.type == 'cuda' else 'gloo'}", "train.epochs=1",
+           "train.eval_prompts=0", "wandb.mode=disabled", f"train.run_dir={run_dir}", f"data.cache_dir={run_dir}",
+           *size]
+    t0 = time.perf_counter()
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.run_timeout_s,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    wall = time.perf_counter() - t0
+    rep.add("run", f"torchrun {nproc} ranks exit code", res.returncode, f"{wall:.0f} s wall, incl. start-up")
+    if res.returncode != 0:
+        rep.data["run"]["log_tail"] = (res.stdout + res.stderr)[-4000:]
+        return
+    sm = json.loads((run_dir / "summary.json").read_text())
+    rep.add("run", "targets / drafters", f"{sm['num_targets']} / {sm['num_drafters']}")
+    rep.add("run", "tokens/s (training)", float(sm["tok_per_s"]), f"{sm['tokens']} tokens, {sm['steps']} steps")
+    rep.add("run", "wait targets / drafters", f"{sm['wait_targets']:.0%} / {sm['wait_drafters']:.0%}",
+            f"bottleneck: {sm['balance']['bottleneck']}" if sm.get("balance") else "")
+
+
 # -- main -------------------------------------------------------------------------------------------
 
 def parse(argv=None) -> argparse.Namespace:
@@ -279,7 +313,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--target-attn", nargs="*", default=["auto", "ref"])
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--peak-tflops", type=float, default=None)
-    p.add_argument("--skip", nargs="*", default=[], choices=["attention", "target", "drafter", "transport"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["attention", "target", "drafter", "transport", "run"])
+    p.add_argument("--run-timeout-s", type=float, default=150, help="limit of the end-to-end torchrun run")
     p.add_argument("--budget-s", type=float, default=240, help="start no new section after this many seconds")
     p.add_argument("--json", default="runs/bench/gpu_check.json")
     return p.parse_args(argv)
@@ -308,8 +343,8 @@ def main(argv=None) -> int:
     rep.add("machine", "torch / flash-attn", f"{torch.__version__} / {attn.flash_available()}")
     t0 = time.perf_counter()
     target = None
-    # Transport before the model is built: its two processes then have GPU 0 and 1 to themselves.
-    for section in ("attention", "transport", "target", "drafter"):
+    # Transport and the run before the model is built: their processes then have the GPUs to themselves.
+    for section in ("attention", "transport", "run", "target", "drafter"):
         if section in args.skip:
             continue
         if time.perf_counter() - t0 > args.budget_s:
@@ -326,6 +361,8 @@ def main(argv=None) -> int:
                     check_target(rep, target, tc, full, lengths, dev, args)
                 else:
                     check_drafter(rep, target, tc, lengths, dev, args)
+            elif section == "run":
+                check_run(rep, dev, args)
             else:
                 check_transport(rep, dev, args)
         except Exception as exc:  # one failing section must not hide the others' figures
