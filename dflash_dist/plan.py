@@ -78,8 +78,7 @@ def build_plan(lengths: np.ndarray, supervised: np.ndarray, *, seed: int, epoch:
         keep &= ~over
 
     gen = epoch_generator(seed, epoch)
-    order = np.flatnonzero(keep)
-    order = order[permutation(len(order), gen).astype(np.int64)]  # numpy gathers faster with int64 indices
+    order = shuffled(np.flatnonzero(keep), gen)
     lens, anc = lengths[order], anchors[order] if anchors is not None else None
     caps = (token_budget, max_seqs, max_anchors)
     if packing == "next_fit":
@@ -95,9 +94,16 @@ def epoch_generator(seed: int, epoch: int) -> torch.Generator:
 
 
 def permutation(n: int, gen: torch.Generator) -> np.ndarray:
-    """A uniform random permutation of range(n). torch's CPU randperm in int32 takes 6.5 ms for 902K
+    """A uniform random permutation of range(n). torch's CPU randperm in int32 takes 6-20 ms for 902K
     samples where numpy's int64 permutation takes 60 ms (a quarter of the plan's time budget)."""
     return torch.randperm(n, generator=gen, dtype=torch.int32 if n < 2**31 else torch.int64).numpy()
+
+
+def shuffled(values: np.ndarray, gen: torch.Generator) -> np.ndarray:
+    """`values[permutation(len(values), gen)]`, gathered by torch: 4 ms for 902K int64 where numpy's
+    fancy indexing takes 15 ms (it converts the int32 indices first)."""
+    perm = torch.from_numpy(permutation(len(values), gen))
+    return torch.index_select(torch.from_numpy(values), 0, perm).numpy()
 
 
 def _next_fit(lens: np.ndarray, anc: np.ndarray | None, token_budget: int, max_seqs: int,
