@@ -78,6 +78,14 @@ def target_predictions(logits: torch.Tensor, labels: str, soft_top_k: int):
     raise ValueError(f"objective.labels={labels!r} takes no target predictions")
 
 
+def predictions_from_hidden(final: torch.Tensor, lm_head, labels: str, soft_top_k: int, chunk: int = 4096):
+    """`target_predictions(lm_head(final))`, a chunk of tokens at a time. The whole (N, V) logits of a
+    49,152-token Qwen3 batch (V = 151,936) are 13.9 GiB in bf16; a 4,096-token chunk is 1.2 GiB."""
+    parts = [target_predictions(lm_head(final[i:i + chunk]), labels, soft_top_k) for i in range(0, len(final), chunk)]
+    ids = torch.cat([p[0] for p in parts])
+    return ids, torch.cat([p[1] for p in parts]) if parts[0][1] is not None else None
+
+
 def _predicted_at(per_token: torch.Tensor, labels: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
     """per_token (N, ...) indexed at anchor + k - 1 for every slot: (A, B, ...). Untrained slots (slot 0,
     or anchor + k past the sequence) read a clamped, arbitrary row; callers mask them with `labels`."""

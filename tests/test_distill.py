@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from dflash_dist.config import ConfigError, load_config
 from dflash_dist.data.collate import PackedBatch
-from dflash_dist.objective import (argmax_block_labels, block_labels, dflash_loss, soft_block_targets,
-                                   target_label_width, target_predictions)
+from dflash_dist.objective import (argmax_block_labels, block_labels, dflash_loss, predictions_from_hidden,
+                                   soft_block_targets, target_label_width, target_predictions)
 from dflash_dist.transport import PacketSender, PendingPacket, TargetLabels
 
 from helpers import metrics, spawn, torchrun
@@ -113,6 +113,28 @@ def test_soft_loss_is_the_weighted_cross_entropy_against_the_distribution():
     best, _ = dflash_loss(own, top1, w, soft=(probs, sids))
     worse, _ = dflash_loss(own + torch.randn(4, B, V), top1, w, soft=(probs, sids))
     assert float(best) < float(worse)
+
+
+@pytest.mark.parametrize("labels", ["target_argmax", "target_soft"])
+def test_predictions_from_the_final_hidden_state_in_chunks_equal_the_full_logits(labels):
+    """The target role never builds the whole (N, V) logits: chunks of lm_head(final) give the same labels."""
+    from dflash_dist.config import load_config
+    from dflash_dist.models.qwen3 import TinyQwen3
+
+    torch.manual_seed(0)
+    model = TinyQwen3(load_config(None, []).model.target)
+    ids, cu = torch.randint(0, model.vocab_size, (45,)), torch.tensor([0, 20, 45])
+    pos = torch.cat([torch.arange(20), torch.arange(25)])
+    feats, logits = model.capture(ids, cu, pos, [0, 1], need_logits=True)
+    feats2, final = model.capture(ids, cu, pos, [0, 1], final_hidden=True)
+    assert torch.equal(feats, feats2) and final.shape == (45, model.hidden_size)
+    full_ids, full_values = target_predictions(logits, labels, 5)
+    got_ids, got_values = predictions_from_hidden(final, model.lm_head, labels, 5, chunk=7)  # 7 chunks, last short
+    assert torch.equal(got_ids, full_ids)
+    if labels == "target_soft":
+        assert torch.allclose(got_values, full_values, atol=1e-5)
+    else:
+        assert got_values is None and full_values is None
 
 
 def test_label_width_and_config():

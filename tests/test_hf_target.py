@@ -54,6 +54,9 @@ def test_packed_capture_matches_each_sequence_alone(saved):
                 torch.testing.assert_close(feats[a:b, j * H:(j + 1) * H], out.hidden_states[layer + 1][0],
                                            atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(logits[a:b], out.logits[0], atol=1e-5, rtol=1e-5)
+        # What the target role sends for distillation comes from the final hidden state, not from logits.
+        _, final = target.capture(ids, cu, pos, layer_ids, final_hidden=True)
+        torch.testing.assert_close(target.lm_head(final), logits, atol=1e-5, rtol=1e-5)
         # The test has teeth: one causal run over the whole stream (no boundaries) differs.
         joined = ref_model(input_ids=ids[None], output_hidden_states=True).hidden_states[1][0]
         assert not torch.allclose(joined[cu[1]:], feats[cu[1]:, H:], atol=1e-3)

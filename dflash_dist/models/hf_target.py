@@ -131,10 +131,12 @@ class HFTarget(nn.Module):
                 c._attn_implementation = old
 
     @torch.no_grad()
-    def capture(self, input_ids, cu_seqlens, position_ids, layer_ids, need_logits: bool = False):
-        """(features (N, len(layer_ids) * H), logits (N, V) or None): layer i's output is
-        hidden_states[i + 1] (for the very last layer: before the final norm, which transformers'
-        hidden_states[-1] includes). Stops after the last captured layer unless logits are asked for."""
+    def capture(self, input_ids, cu_seqlens, position_ids, layer_ids, need_logits: bool = False,
+                final_hidden: bool = False):
+        """(features (N, len(layer_ids) * H), logits (N, V) or None; with `final_hidden`, the final normed
+        hidden state (N, H) instead of the logits): layer i's output is hidden_states[i + 1] (for the very
+        last layer: before the final norm, which transformers' hidden_states[-1] includes). Stops after
+        the last captured layer unless logits or the final hidden state are asked for."""
         if not layer_ids:
             raise ValueError("capture needs at least one layer id")
         bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
@@ -148,7 +150,7 @@ class HFTarget(nn.Module):
         rope = base.rotary_emb(x, pos)
         packed = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len)
         wanted, captured = set(layer_ids), {}
-        last = self.num_layers if need_logits else max(layer_ids) + 1
+        last = self.num_layers if need_logits or final_hidden else max(layer_ids) + 1
         with self._packed():
             for i in range(last):
                 out = base.layers[i](x, attention_mask=None, position_ids=pos, position_embeddings=rope, **packed)
@@ -156,8 +158,9 @@ class HFTarget(nn.Module):
                 if i in wanted:
                     captured[i] = x[0]
         feats = torch.cat([captured[i] for i in layer_ids], dim=-1)
-        logits = self.lm_head(base.norm(x))[0] if need_logits else None
-        return feats, logits
+        if not (need_logits or final_hidden):
+            return feats, None
+        return feats, self.lm_head(base.norm(x))[0] if need_logits else base.norm(x)[0]
 
     @torch.no_grad()
     def greedy(self, prompts: torch.Tensor, n: int) -> torch.Tensor:

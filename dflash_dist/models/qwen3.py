@@ -112,19 +112,22 @@ class TinyQwen3(nn.Module):
                     nn.init.normal_(m.weight, std=m.weight.shape[1] ** -0.5 if isinstance(m, nn.Linear) else 1.0)
 
     @torch.no_grad()
-    def capture(self, input_ids, cu_seqlens, position_ids, layer_ids, need_logits: bool = False):
+    def capture(self, input_ids, cu_seqlens, position_ids, layer_ids, need_logits: bool = False,
+                final_hidden: bool = False):
         """Hidden states after each layer in `layer_ids` (z-lab convention: layer i's output is
-        hidden_states[i + 1]), concatenated on the feature axis: (N, len(layer_ids) * H).
-        The forward stops after the last captured layer unless logits are asked for."""
+        hidden_states[i + 1]), concatenated on the feature axis: (N, len(layer_ids) * H), and the logits
+        (N, V) if asked for, or with `final_hidden` the final normed hidden state (N, H) they come from.
+        The forward stops after the last captured layer unless either is asked for."""
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.head_dim, self.rope_theta, x.dtype)
         wanted = set(layer_ids)
         captured = {}
-        last = self.num_layers if need_logits else max(layer_ids) + 1
+        last = self.num_layers if need_logits or final_hidden else max(layer_ids) + 1
         for i in range(last):
             x = self.layers[i](x, cos, sin, cu_seqlens)
             if i in wanted:
                 captured[i] = x
         feats = torch.cat([captured[i] for i in layer_ids], dim=-1)
-        logits = self.lm_head(self.norm(x)) if need_logits else None
-        return feats, logits
+        if not (need_logits or final_hidden):
+            return feats, None
+        return feats, self.lm_head(self.norm(x)) if need_logits else self.norm(x)

@@ -15,7 +15,7 @@ import torch
 from dflash_dist.checkpoint import Cursor
 from dflash_dist.data.collate import collate
 from dflash_dist.models.build import compute_dtype
-from dflash_dist.objective import target_predictions
+from dflash_dist.objective import predictions_from_hidden
 from dflash_dist.plan import broadcast_plan
 from dflash_dist.roles.common import RoleResult, RunSetup, plan_digest, start_step
 from dflash_dist.stop import StopAgreement
@@ -28,11 +28,11 @@ def capture_for_drafter(target, batch, layer_ids, objective) -> tuple[torch.Tens
     """The features of `layer_ids` and, for distillation labels, the target's predictions (which need
     the whole forward; data labels stop after the last captured layer)."""
     distill = objective.labels != "data"
-    feats, logits = target.capture(batch.input_ids, batch.cu_seqlens, batch.position_ids, layer_ids,
-                                   need_logits=distill)
+    feats, final = target.capture(batch.input_ids, batch.cu_seqlens, batch.position_ids, layer_ids,
+                                  final_hidden=distill)
     if not distill:
         return feats, None
-    ids, values = target_predictions(logits, objective.labels, objective.soft_top_k)
+    ids, values = predictions_from_hidden(final, target.lm_head, objective.labels, objective.soft_top_k)
     return feats, TargetLabels(ids, values)
 
 
