@@ -24,7 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -272,9 +274,6 @@ def check_transport(rep: Report, dev: torch.device, args) -> None:
 # -- a short disaggregated run -----------------------------------------------------------------------
 
 def check_run(rep: Report, dev: torch.device, args) -> None:
-    import os
-    import subprocess
-
     nproc = min(torch.cuda.device_count(), 8) if dev.type == "cuda" else 2
     if nproc < 2:
         rep.add("run", "NCCL run", "n/a", "needs two GPUs")

@@ -128,13 +128,14 @@ def run(samples: int, epochs: int, token_budget: int, max_seqs: int, seed: int, 
                  "seed": seed, "lengths": {"median": float(np.median(lengths)), "mean": float(lengths.mean()),
                                            "p99": float(np.percentile(lengths, 99)), "max": int(lengths.max())},
                  "plan": [], "next_fit": [], "sorted": [], "padded": []}
-    plans = []
+    plans, shuffles = [], []
     for e in range(epochs):
         plan, wall, cpu = timed(build_plan, lengths, supervised, epoch=e, packing=packing, **kw)
         plans.append(plan)
         res["plan"].append({"epoch": e, "build_s": wall, "build_cpu_s": cpu,
                             **shape(lengths, plan.indices, plan.offsets, token_budget)})
         nf, wall, _ = timed(build_plan, lengths, supervised, epoch=e, packing="next_fit", **kw)
+        shuffles.append(nf.indices)  # next-fit keeps the shuffled order: the padded reference's input
         res["next_fit"].append({"epoch": e, "build_s": wall, **shape(lengths, nf.indices, nf.offsets, token_budget)})
     res["skipped"] = plans[0].skipped
     kept = plans[0].indices  # any epoch: the same samples
@@ -152,7 +153,7 @@ def run(samples: int, epochs: int, token_budget: int, max_seqs: int, seed: int, 
 
     # padded: the same shuffle as the plan, batches cut when the padded size would overflow.
     for e in range(epochs):
-        order = build_plan(lengths, supervised, epoch=e, packing="next_fit", **kw).indices  # shuffled order
+        order = shuffles[e]
         (batches, computed), wall, _ = timed(padded_batches, lengths[order], token_budget, max_seqs)
         real = int(lengths[order].sum())
         res["padded"].append({"epoch": e, "build_s": wall, "batches": batches,
