@@ -140,3 +140,112 @@ def dflash_loss(logits, labels, weights, soft=None):
                         correct=hit.sum(0).cpu(), valid=valid.sum(0).cpu(),
                         accept_sum=float(run.sum()), num_blocks=A)
     return loss, m
+
+
+# -- the LM head and loss, a bounded number of rows at a time ------------------------------------------
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """autocast's dtype where it is on (bf16 on CUDA), else the tensor's own."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
+
+class _ChunkedHeadLoss(torch.autograd.Function):
+    """sum_r w_r * ce_r over the selected rows of `hidden`, `rows` rows of logits at a time.
+
+    The input gradient is computed chunk by chunk in the forward and is all that is saved (rows x H in
+    the compute dtype, next to nothing beside the activations): recomputing the logits in the backward
+    would cost a third (rows x H x V) matmul per chunk where this costs two, and the LM head is about a
+    quarter of a drafter step's FLOPs. The price is computing a gradient nobody may ask for, so it is
+    skipped when autograd will not need it."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, sel, labels, wts, probs, ids, rows: int, need_grad: bool):
+        dt = _compute_dtype(hidden)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        n = sel.numel()
+        pred = torch.empty(n, dtype=torch.long, device=hidden.device)
+        grad = torch.empty(n, flat.shape[1], dtype=dt, device=hidden.device) if need_grad else None
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dt)  # a no-op when the head is already in the compute dtype (bf16 on CUDA)
+            for i in range(0, n, rows):
+                j = min(n, i + rows)
+                soft = None if probs is None else (probs[i:j], ids[i:j])
+                loss += _head_chunk(flat[sel[i:j]].to(dt), w, labels[i:j], wts[i:j], soft, pred[i:j],
+                                    grad[i:j] if need_grad else None)
+        ctx.mark_non_differentiable(pred)
+        if need_grad:
+            ctx.save_for_backward(grad, sel)
+            ctx.shape, ctx.dtype = hidden.shape, hidden.dtype
+        return loss, pred
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_pred):
+        grad, sel = ctx.saved_tensors
+        out = torch.zeros(ctx.shape, dtype=ctx.dtype, device=grad.device)
+        out.view(-1, ctx.shape[-1]).index_copy_(0, sel, (grad * grad_loss).to(ctx.dtype))
+        return out, None, None, None, None, None, None, None, None
+
+
+def _head_chunk(x, w, labels, wts, soft, pred_out, grad_out) -> torch.Tensor:
+    """One row chunk: writes the argmax into pred_out and, if given, d(sum w * ce)/dx into grad_out;
+    returns sum w * ce. The softmax runs in place on the float32 logits (torch.logsumexp would allocate
+    another (r, V)), so they are the only vocabulary-sized tensor besides the compute-dtype matmul
+    output and input; all die when this returns."""
+    z = (x @ w.T).float()  # (r, V)
+    at = z.gather(1, labels[:, None] if soft is None else soft[1])  # target logits, before z is overwritten
+    top, arg = z.max(dim=-1)
+    pred_out.copy_(arg)
+    e = z.sub_(top[:, None]).exp_()
+    total = e.sum(-1)
+    logq = at - (top + total.log())[:, None]
+    ce = -logq.squeeze(1) if soft is None else -(soft[0] * logq).sum(-1)
+    if grad_out is not None:  # d(w * ce)/dz = w * (softmax * sum(p) - p at the target ids), in place
+        p = torch.ones_like(at) if soft is None else soft[0]
+        g = e.mul_((wts * p.sum(-1) / total)[:, None])
+        g.scatter_add_(1, labels[:, None] if soft is None else soft[1], -p * wts[:, None])
+        grad_out.copy_(g.to(x.dtype) @ w)
+    return (ce * wts).sum()
+
+
+def _metrics(pred: torch.Tensor, labels: torch.Tensor, loss_sum: float, weight_sum: float) -> StepMetrics:
+    """The metrics of `dflash_loss` from the predicted tokens (A, B) (any value where labels < 0)."""
+    valid = labels >= 0
+    hit = (pred == labels) & valid
+    # Accepted prefix: consecutive hits from slot 1; an untrained slot ends the run.
+    run = torch.cumprod(hit[:, 1:].long(), dim=1).sum(1).float() + 1.0
+    return StepMetrics(loss_sum=loss_sum, weight_sum=weight_sum, correct=hit.sum(0).cpu(), valid=valid.sum(0).cpu(),
+                       accept_sum=float(run.sum()), num_blocks=labels.shape[0])
+
+
+def lm_head_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                 soft: tuple[torch.Tensor, torch.Tensor] | None = None, rows: int = 8192):
+    """The frozen LM head and the weighted cross-entropy of `dflash_loss`, never more than `rows` rows x V
+    logits alive at once (forward and backward).
+
+    hidden (A, B, H): final-normed drafter states; head_weight (V, H): the target's frozen lm_head.weight;
+    labels/weights (A, B) from `block_labels` (or `argmax_block_labels`; for target_soft, the top-1 labels
+    of `soft_block_targets`, whose (probs, ids) (A, B, k) are `soft`). Only rows with a label (>= 0) are
+    computed. Returns (sum of w * ce as a float32 scalar differentiable w.r.t. hidden, StepMetrics): the sum
+    is not normalised, so that chunks of one batch add up; the caller divides by the batch's weight sum.
+    Logits are a matmul in the compute dtype (autocast's, else hidden's), then float32 for the softmax."""
+    if head_weight.requires_grad:
+        raise ValueError("lm_head_loss: the LM head must be frozen (its weight requires grad)")
+    if rows < 1:
+        raise ValueError(f"lm_head_loss: rows must be >= 1, got {rows}")
+    A, B, _ = hidden.shape
+    sel = torch.nonzero(labels.reshape(-1) >= 0).squeeze(1)
+    lab = labels.reshape(-1)[sel]
+    wts = weights.reshape(-1)[sel].float()
+    probs = ids = None
+    if soft is not None:
+        k = soft[0].shape[-1]
+        probs, ids = soft[0].reshape(-1, k)[sel].float(), soft[1].reshape(-1, k)[sel]
+    need_grad = torch.is_grad_enabled() and hidden.requires_grad
+    loss, pred_rows = _ChunkedHeadLoss.apply(hidden, head_weight, sel, lab, wts, probs, ids, rows, need_grad)
+    with torch.no_grad():
+        pred = torch.full((A * B,), -1, dtype=torch.long, device=hidden.device)
+        pred[sel] = pred_rows
+        m = _metrics(pred.view(A, B), labels, float(loss), float(weights.sum()))
+    return loss, m
