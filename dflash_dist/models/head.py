@@ -1,0 +1,127 @@
+"""What a drafter rank needs of a transformers target: its embedding, its LM head and its shapes.
+
+A drafter trains on features the target ranks send; of the target itself it uses only `embed_tokens`
+(the block's input) and `lm_head` (the loss), both frozen. `load_hf_head` reads just those two tensors
+from the checkpoint's safetensors files, straight to the rank's device (safetensors maps the file and
+copies each tensor once to where it is asked for), so a drafter never holds the decoder layers: for
+Qwen3-8B that is 2.3 GiB in bf16 instead of 16 GiB, and no host copy of the whole model.
+
+Tensor names are those of transformers' Llama-family causal LMs (Qwen3, Llama, Mistral):
+`model.embed_tokens.weight` and `lm_head.weight`. With `tie_word_embeddings` the head is the embedding
+(its checkpoint has no `lm_head.weight`). Any other layout is refused with the file that lacks the tensor.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
+
+
+def read_config(path: str | Path) -> dict:
+    """config.json of a transformers model directory, as a dict; FileNotFoundError naming the path."""
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        raise FileNotFoundError(f"model.target.path={path}: no config.json (a local model directory is required)")
+    return json.loads(f.read_text())
+
+
+def shape_facts(cfg: dict, where: str = "config.json") -> dict:
+    """The facts a drafter (and the memory model) needs from a Llama-family config.json."""
+    def need(key: str):
+        if key not in cfg:
+            raise ValueError(f"{where}: no '{key}' (not a Llama-family causal LM config)")
+        return cfg[key]
+    heads = int(need("num_attention_heads"))
+    facts = dict(vocab_size=int(need("vocab_size")), hidden_size=int(need("hidden_size")),
+                 num_layers=int(need("num_hidden_layers")), num_heads=heads,
+                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                 head_dim=int(cfg.get("head_dim") or need("hidden_size") // heads),
+                 intermediate_size=int(need("intermediate_size")),
+                 rms_eps=float(cfg.get("rms_norm_eps", 1e-6)), tied=bool(cfg.get("tie_word_embeddings", False)))
+    # transformers 5 keeps rope_theta in rope_parameters; 4.x at the top level.
+    rope = cfg.get("rope_parameters")
+    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+    theta = cfg.get("rope_theta") if theta is None else theta
+    if theta is None:
+        raise ValueError(f"{where}: no rope_theta (neither at the top level nor in rope_parameters)")
+    return facts | {"rope_theta": float(theta)}
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it, from the shard index or the single file."""
+    if (path / INDEX).is_file():
+        weight_map = json.loads((path / INDEX).read_text()).get("weight_map", {})
+        return {name: path / f for name, f in weight_map.items()}
+    if (path / SINGLE).is_file():
+        from safetensors import safe_open
+        with safe_open(str(path / SINGLE), framework="pt") as f:
+            return {name: path / SINGLE for name in f.keys()}
+    raise FileNotFoundError(f"model.target.path={path}: neither {INDEX} nor {SINGLE}")
+
+
+def load_hf_head(path: str | Path, dtype: torch.dtype, device: torch.device | str
+                 ) -> tuple[nn.Embedding, nn.Linear, dict]:
+    """(embed_tokens, lm_head, info): the two frozen modules in `dtype` on `device` (the same tensor when
+    tied) and info = {"files": files read, "tensors": names read, "bytes": bytes loaded, "tied": bool}."""
+    from safetensors import safe_open
+    path = Path(path)
+    facts = shape_facts(read_config(path), str(path / "config.json"))
+    files = _tensor_files(path)
+    names = [EMBED] if facts["tied"] else [EMBED, HEAD]
+    where = path / INDEX if (path / INDEX).is_file() else path / SINGLE
+    for name in names:
+        if name not in files:
+            hint = "" if name != HEAD else " (and config.json does not set tie_word_embeddings)"
+            raise KeyError(f"{where}: no tensor '{name}'{hint}")
+    loaded = {}
+    for name in names:
+        with safe_open(str(files[name]), framework="pt", device=str(device)) as f:
+            loaded[name] = f.get_tensor(name).to(dtype)
+    emb = loaded[EMBED]
+    want = (facts["vocab_size"], facts["hidden_size"])
+    for name, t in loaded.items():
+        if tuple(t.shape) != want:
+            raise ValueError(f"{files[name]}: '{name}' has shape {tuple(t.shape)}, config.json says {want}")
+    embed = nn.Embedding(*want, _weight=emb, _freeze=True)  # takes the loaded tensor as is
+    head = nn.Linear(want[1], want[0], bias=False, device="meta")
+    head.weight = embed.weight if facts["tied"] else nn.Parameter(loaded[HEAD], requires_grad=False)
+    info = {"files": sorted({str(files[n]) for n in names}), "tensors": names, "tied": facts["tied"],
+            "bytes": sum(t.numel() * t.element_size() for t in loaded.values())}
+    return embed, head, info
+
+
+class HeadOnlyTarget(nn.Module):
+    """The attributes of the target adapters (TinyQwen3, HFTarget) that a drafter uses, without the
+    decoder: shapes, the frozen `embed_tokens` and `lm_head`, and `default_mask_token_id`."""
+
+    def __init__(self, facts: dict, embed_tokens: nn.Embedding, lm_head: nn.Linear,
+                 default_mask_token_id: int | None = None, info: dict | None = None):
+        super().__init__()
+        for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                    "intermediate_size", "rope_theta", "rms_eps"):
+            setattr(self, key, facts[key])
+        self.embed_tokens, self.lm_head = embed_tokens, lm_head
+        self.default_mask_token_id = default_mask_token_id
+        self.info = info or {}
+        for p in self.parameters():
+            p.requires_grad_(False)
+        self.eval()
+
+
+def load_head_only_target(path: str | Path, dtype: torch.dtype, device: torch.device | str) -> HeadOnlyTarget:
+    """A drafter rank's stand-in for `load_hf_target`: config facts, embedding and LM head only."""
+    from dflash_dist.models.hf_target import default_mask_token_id
+    path = Path(path)
+    facts = shape_facts(read_config(path), str(path / "config.json"))
+    embed, head, info = load_hf_head(path, dtype, device)
+    log.info("drafter head from %s: %s (%.2f GiB, %s) on %s", path, ", ".join(info["tensors"]),
+             info["bytes"] / 2**30, "tied" if info["tied"] else "untied", device)
+    return HeadOnlyTarget(facts, embed, head, default_mask_token_id(path, facts["vocab_size"]), info)
