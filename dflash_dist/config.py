@@ -34,6 +34,7 @@ class TargetConfig:
     head_dim: int = 16
     rope_theta: float = 10000.0
     rms_eps: float = 1e-6
+    tensor_parallel: int = 1  # ranks per target replica (one node); the replica's first rank sends
 
 
 @dataclass
@@ -49,6 +50,7 @@ class DraftConfig:
     num_feature_layers: int = 3  # used only when target_layer_ids is empty
     mask_token_id: int = -1  # -1: the tokenizer's mask token / first unused row (hf), last row (tiny)
     seed: int = 4321  # drafter initialisation
+    checkpoint_layers: bool = False  # recompute each draft layer in backward (activations: one layer's)
 
 
 @dataclass
@@ -89,6 +91,7 @@ class PlanConfig:
 class RolesConfig:
     mode: str = "disaggregated"  # colocated: every rank runs target then drafter (N=1 allowed)
     drafters_per_node: int = 1
+    drafter_sharding: str = "ddp"  # ddp: replicas, gradients averaged; fsdp: FSDP2 shards among drafters
 
 
 @dataclass
@@ -100,6 +103,10 @@ class ObjectiveConfig:
     # (its greedy token / its top-k softmax), which makes every target run its whole forward.
     labels: str = "data"
     soft_top_k: int = 8  # logits per token sent for target_soft
+    # Drafter memory follows these, not the batch: anchors per forward/backward inside one optimizer
+    # step (0 = all of the batch's at once), and block rows per LM-head + cross-entropy chunk.
+    anchor_chunk: int = 0
+    loss_rows: int = 8192
 
 
 @dataclass
@@ -122,7 +129,9 @@ class TransportConfig:
 @dataclass
 class DistConfig:
     backend: str = "auto"  # auto: nccl with CUDA, gloo otherwise
-    timeout_s: float = 120.0
+    # Collectives may legitimately wait through a compile or a checkpoint save; dead peers are found by
+    # the heartbeats within dead_after_s, so this is only the last resort.
+    timeout_s: float = 1800.0
     heartbeat_s: float = 1.0
     dead_after_s: float = 15.0  # a peer whose heartbeat is older than this is reported dead
 
@@ -134,7 +143,8 @@ class MonitorConfig:
 
 @dataclass
 class WandbConfig:
-    mode: str = "offline"  # online | offline | disabled
+    mode: str = "offline"  # online | offline | disabled; WANDB_MODE in the environment overrides it
+    init_timeout_s: float = 20.0  # online start-up wait; then wandb logs offline (upload later: wandb sync)
     project: str = "dflash_dist"
     name: str = ""
 
@@ -152,6 +162,7 @@ class TrainConfig:
     checkpoint_every_min: float = 0.0  # 0 = off
     keep_last: int = 3  # checkpoints kept (0 = all)
     sync_every: int = 2  # steps between stop votes (>= transport.max_in_flight); a stop lands within 3 windows
+    max_nonfinite_steps: int = 3  # steps skipped for a non-finite loss or gradient norm before the run stops
 
 
 @dataclass
@@ -174,6 +185,7 @@ _CHOICES = {
     "model.target.dtype": ("auto", "float32", "bfloat16", "float16"),
     "plan.packing": ("fill", "next_fit"),
     "roles.mode": ("disaggregated", "colocated"),
+    "roles.drafter_sharding": ("ddp", "fsdp"),
     "objective.labels": ("data", "target_argmax", "target_soft"),
     "transport.dtype": ("auto", "float32", "bfloat16", "float16"),
     "dist.backend": ("auto", "gloo", "nccl"),
@@ -227,10 +239,11 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"config key '{key}': {_get(cfg, key)!r} is not one of {choices}")
     positive = [
         "plan.token_budget", "plan.max_seqs", "objective.num_anchors", "train.epochs",
-        "transport.max_in_flight", "dist.timeout_s", "monitor.interval_s", "optim.lr",
+        "transport.max_in_flight", "dist.timeout_s", "monitor.interval_s", "optim.lr", "wandb.init_timeout_s",
         "model.target.vocab_size", "model.target.hidden_size", "model.target.num_layers",
         "model.target.num_heads", "model.target.num_kv_heads", "model.target.head_dim",
         "model.draft.num_layers", "data.synthetic.num_samples", "data.synthetic.min_len",
+        "objective.loss_rows", "train.max_nonfinite_steps", "model.target.tensor_parallel",
     ]
     for key in positive:
         if not _get(cfg, key) > 0:
@@ -253,6 +266,8 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"config key '{key}': must be >= 0")
     if not 0 < cfg.dist.heartbeat_s < cfg.dist.dead_after_s:
         raise ConfigError("config key 'dist.dead_after_s': must exceed dist.heartbeat_s > 0")
+    if cfg.objective.anchor_chunk < 0:
+        raise ConfigError("config key 'objective.anchor_chunk': must be >= 0 (0 = all anchors at once)")
     if cfg.plan.max_anchors < 0:
         raise ConfigError("config key 'plan.max_anchors': must be >= 0")
     s = cfg.data.synthetic

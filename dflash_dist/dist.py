@@ -124,3 +124,40 @@ def agree_on_failure(ctx: DistContext, failure: BaseException | None) -> None:
     dist.broadcast(msg, src=first, group=ctx.ctrl_group)
     text = bytes(msg[msg != 0].tolist()).decode(errors="replace")
     raise ConfigError(f"rank {first} ({ctx.layout.role(first)}) cannot start: {text}")
+
+
+# -- drafter replicas: the weights start equal and every step's gradients are averaged ---------------
+
+def broadcast_params(module: torch.nn.Module, group, src: int) -> None:
+    """Every drafter starts from drafter 0's weights (they are seeded alike; this makes it a fact)."""
+    if dist.get_world_size(group) > 1:
+        for t in module.state_dict().values():
+            dist.broadcast(t, src=src, group=group)
+
+
+def all_reduce_grads(params: list[torch.nn.Parameter], group, divisor: float, bucket_numel: int = 1 << 26) -> None:
+    """Sum every parameter's gradient over the drafter group and divide by `divisor` (the number of real
+    batches of the step: a drafter without one contributes zeros), in flat buckets of at most
+    `bucket_numel` elements. Done once per optimizer step, after every anchor chunk's backward."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    if dist.get_world_size(group) == 1:
+        if divisor != 1:
+            for p in params:
+                p.grad.div_(divisor)
+        return
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for i, p in enumerate(params):
+        bucket.append(p.grad)
+        size += p.grad.numel()
+        if size >= bucket_numel or i == len(params) - 1:
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat, group=group)
+            flat.div_(divisor)
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+            bucket, size = [], 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -17,6 +18,9 @@ from pathlib import Path
 
 import psutil
 import torch
+
+from dflash_dist.fsutil import json_safe
+from dflash_dist.stats import wait_fraction
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +41,8 @@ class Progress:
     acc: list[float] = field(default_factory=list)  # per block slot k >= 1
     accept_len: float = float("nan")
     lr: float = 0.0
+    grad_norm: float = float("nan")  # of the last step, before clipping
+    skipped_steps: int = 0  # steps not applied: non-finite loss or gradient norm
     drafter_wait_s: float = 0.0  # summed over drafters
     drafter_compute_s: float = 0.0
     target_wait_s: float = 0.0  # summed over targets (from packet headers)
@@ -58,10 +64,6 @@ def _fmt_eta(seconds: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
-def _frac(wait: float, compute: float) -> float:
-    return wait / (wait + compute) if wait + compute > 0 else 0.0
-
-
 def snapshot(p: Progress, device: torch.device) -> dict:
     elapsed = time.time() - p.started
     total = p.total_batches
@@ -76,8 +78,9 @@ def snapshot(p: Progress, device: torch.device) -> dict:
         "eta_s": elapsed * (total - p.total_done) / (p.total_done - p.resumed_done)
         if p.total_done > p.resumed_done else float("inf"),
         "loss": p.loss, "acc": list(p.acc), "accept_len": p.accept_len, "lr": p.lr,
-        "wait_targets": _frac(p.target_wait_s, p.target_compute_s),
-        "wait_drafters": _frac(p.drafter_wait_s, p.drafter_compute_s),
+        "wait_targets": wait_fraction(p.target_wait_s, p.target_compute_s),
+        "wait_drafters": wait_fraction(p.drafter_wait_s, p.drafter_compute_s),
+        "grad_norm": p.grad_norm, "skipped_steps": p.skipped_steps,
         "rss_gib": psutil.Process().memory_info().rss / 2**30,
     }
     if device.type == "cuda":
@@ -93,39 +96,147 @@ def format_line(r: dict) -> str:
             f"acc@1 {acc1:.2f}  tau~{r['accept_len']:.2f}  "
             f"wait: targets {100 * r['wait_targets']:.0f}% drafters {100 * r['wait_drafters']:.0f}%  "
             f"rss {r['rss_gib']:.1f} GiB")
+    if r.get("skipped_steps"):
+        line += f"  skipped {r['skipped_steps']} non-finite steps"
     if "gpu_mem_gib" in r:
         line += f"  gpu {r['gpu_mem_gib']:.1f} GiB"
     return line
 
 
 class Sinks:
-    """Console, JSONL in the run directory, and wandb (rank 0 only)."""
+    """Console, JSONL in the run directory, and wandb (rank 0 only).
 
-    def __init__(self, run_dir: Path, wandb_cfg, config_dict: dict):
-        self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
-        self.wandb = None
-        if wandb_cfg.mode != "disabled":
-            import wandb
-            self.wandb = wandb.init(project=wandb_cfg.project, name=wandb_cfg.name or None, mode=wandb_cfg.mode,
-                                    dir=str(run_dir), config=config_dict)
+    A sink that fails (ENOSPC on metrics.jsonl, a wandb error) logs one warning and is switched off:
+    training never stops for a metric. wandb never holds up the start: an online start-up that does not
+    complete within `wandb.init_timeout_s` falls back to offline logging, to be uploaded later with
+    `wandb sync`. `run_id` (kept with the training state as `.run_id`) continues the same wandb run on
+    resume; a record whose step would not advance wandb's history is not logged as a row, so a resumed
+    run never overwrites the rows logged before the checkpoint it restarted from.
+    """
+
+    def __init__(self, run_dir: Path, wandb_cfg, config_dict: dict, run_id: str | None = None):
         self.lock = threading.Lock()
+        self.jsonl = None
+        try:
+            self.jsonl = open(Path(run_dir) / "metrics.jsonl", "a", buffering=1)
+        except OSError as exc:
+            self._drop_jsonl(exc)
+        self.run_id = run_id
+        self.wandb = None
+        self._wandb_step = -1  # step of the last history row wandb holds
+        mode = wandb_mode(wandb_cfg.mode)
+        if mode != "disabled":
+            self.wandb = _start_wandb(Path(run_dir), wandb_cfg, config_dict, mode, run_id)
+        if self.wandb is not None:
+            self.run_id = self.wandb.id
+            self._wandb_step = self.wandb.step - 1  # a resumed run continues after its last row
 
     def write(self, rec: dict, console: bool = True) -> None:
         with self.lock:
             if console:
-                log.info(format_line(rec) if "batch" in rec else json.dumps(rec))
-            self.jsonl.write(json.dumps(rec) + "\n")
+                log.info(format_line(rec) if "batch" in rec else json.dumps(json_safe(rec)))
+            if self.jsonl is not None:
+                try:
+                    self.jsonl.write(json.dumps(json_safe(rec), allow_nan=False) + "\n")
+                except (OSError, ValueError) as exc:
+                    self._drop_jsonl(exc)
             if self.wandb is not None:
-                flat = {k: v for k, v in rec.items() if isinstance(v, (int, float)) and math.isfinite(v)}
-                flat.update({f"acc/{k + 1}": a for k, a in enumerate(rec.get("acc", []))})
-                self.wandb.log(flat, step=rec.get("step"))
+                try:
+                    self._log_wandb(rec)
+                except Exception as exc:  # wandb's service died, its disk is full, ...: metrics are not worth a run
+                    log.warning("wandb logging failed (%s: %s): wandb is off for the rest of the run; JSONL goes "
+                                "on", type(exc).__name__, exc)
+                    self.wandb = None
+
+    def _log_wandb(self, rec: dict) -> None:
+        flat = {k: v for k, v in rec.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        flat.update({f"acc/{k + 1}": a for k, a in enumerate(rec.get("acc", [])) if math.isfinite(a)})
+        step = rec.get("step")
+        if isinstance(step, int) and step > self._wandb_step:
+            self.wandb.log(flat, step=step)
+            self._wandb_step = step
+        elif rec.get("kind", "progress") != "progress":
+            # The row of this step exists (an epoch end right after a progress tick, a stop, the
+            # summary): keep it; the record goes to the run summary under its kind.
+            self.wandb.summary.update({f"{rec['kind']}/{k}": v for k, v in flat.items()})
+
+    def _drop_jsonl(self, exc: BaseException) -> None:
+        log.warning("metrics.jsonl: write failed (%s): JSONL metrics are off for the rest of the run, training "
+                    "goes on", exc)
+        f, self.jsonl = self.jsonl, None
+        if f is not None:
+            try:
+                f.close()
+            except OSError:
+                pass  # the buffered line it could not write fails again here
 
     def close(self) -> None:
         with self.lock:
-            self.jsonl.close()
+            if self.jsonl is not None:
+                try:
+                    self.jsonl.close()
+                except OSError as exc:
+                    log.warning("metrics.jsonl: the last records could not be written (%s)", exc)
+                self.jsonl = None
             if self.wandb is not None:
-                self.wandb.finish()
+                try:
+                    self.wandb.finish()
+                except Exception as exc:
+                    log.warning("wandb finish failed (%s: %s)", type(exc).__name__, exc)
                 self.wandb = None
+
+
+WANDB_MODES = ("online", "offline", "disabled")
+_WANDB_ALIASES = {"dryrun": "offline", "run": "online"}  # older spellings wandb still accepts
+
+
+def wandb_mode(configured: str) -> str:
+    """WANDB_MODE in the environment overrides `wandb.mode` from the config (a cluster may forbid
+    online logging for every job); an unknown value is ignored with a warning."""
+    env = os.environ.get("WANDB_MODE", "").strip().lower()
+    if not env:
+        return configured
+    mode = _WANDB_ALIASES.get(env, env)
+    if mode not in WANDB_MODES:
+        log.warning("WANDB_MODE=%s is not one of %s: using wandb.mode=%s", env, WANDB_MODES, configured)
+        return configured
+    if mode != configured:
+        log.info("WANDB_MODE=%s overrides wandb.mode=%s", env, configured)
+    return mode
+
+
+def _start_wandb(run_dir: Path, wandb_cfg, config_dict: dict, mode: str, run_id: str | None):
+    """wandb.init with a bounded wait; online falls back to offline; any other failure turns wandb off."""
+    import wandb
+
+    def init(m: str):
+        return wandb.init(project=wandb_cfg.project, name=wandb_cfg.name or None, mode=m, dir=str(run_dir),
+                          config=config_dict, id=run_id, resume="allow" if run_id else None,
+                          settings=wandb.Settings(init_timeout=wandb_cfg.init_timeout_s))
+
+    t0 = time.monotonic()
+    try:
+        run = init(mode)
+    except Exception as exc:  # wandb raises its own Error types, and whatever its service hits
+        failed, waited = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}", time.monotonic() - t0
+        if mode != "online":
+            log.warning("wandb could not start in %s mode (%s): wandb is off; metrics.jsonl has every record",
+                        mode, failed)
+            return None
+        try:
+            run = init("offline")
+        except Exception as exc2:
+            log.warning("wandb could not start online (%s) nor offline (%s: %s): wandb is off; metrics.jsonl has "
+                        "every record", failed, type(exc2).__name__, exc2)
+            return None
+        log.warning("wandb could not start online within %.1f s (%s): logging offline to %s instead; upload it "
+                    "later with: wandb sync %s", waited, failed, run.settings.sync_dir,
+                    run.settings.sync_dir)
+        return run
+    if mode == "offline":
+        log.info("wandb is logging offline to %s (upload with: wandb sync %s)", run.settings.sync_dir,
+                 run.settings.sync_dir)
+    return run
 
 
 class Monitor:

@@ -24,12 +24,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import hashlib
+import logging
+
 import numpy as np
 import torch
 import torch.distributed as dist
 
-SKIP_REASONS = ("empty", "no_supervised", "over_budget")
+from dflash_dist.config import ConfigError
+
+SKIP_REASONS = ("empty", "no_supervised", "no_anchor", "over_budget")  # in order of precedence
 PACKINGS = ("fill", "next_fit")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -46,32 +53,44 @@ class BatchPlan:
         return self.indices[self.offsets[b]:self.offsets[b + 1]]
 
 
-def anchors_per_sample(lengths: np.ndarray, supervised: np.ndarray, num_anchors: int) -> np.ndarray:
-    """Upper bound of anchors a sample contributes (its supervised count, capped per sequence)."""
-    return np.minimum(supervised, num_anchors)
+def anchors_per_sample(anchorable: np.ndarray, num_anchors: int) -> np.ndarray:
+    """Anchors a sample contributes: its anchor positions (`TokenDataset.num_anchorable`), capped per
+    sequence, exactly what `objective.draw_anchors` draws."""
+    return np.minimum(anchorable, num_anchors)
 
 
-def skipped_mask(lengths: np.ndarray, supervised: np.ndarray, token_budget: int) -> dict[str, np.ndarray]:
-    """Samples no batch can hold, by reason. Reported, never truncated."""
+def skipped_mask(lengths: np.ndarray, supervised: np.ndarray, token_budget: int,
+                 anchorable: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Samples no batch can hold or train, by reason (the first that applies, in SKIP_REASONS order).
+    Reported, never truncated. Without `anchorable` no sample is found anchorless."""
     empty = lengths <= 0
+    no_supervised = ~empty & (supervised <= 0)
+    no_anchor = ~empty & ~no_supervised & (anchorable <= 0) if anchorable is not None else np.zeros_like(empty)
     return {
         "empty": empty,
-        "no_supervised": ~empty & (supervised <= 0),
-        "over_budget": ~empty & (supervised > 0) & (lengths > token_budget),
+        "no_supervised": no_supervised,
+        "no_anchor": no_anchor,
+        "over_budget": ~(empty | no_supervised | no_anchor) & (lengths > token_budget),
     }
 
 
 def build_plan(lengths: np.ndarray, supervised: np.ndarray, *, seed: int, epoch: int, token_budget: int,
-               max_seqs: int, max_anchors: int = 0, num_anchors: int = 0, packing: str = "fill") -> BatchPlan:
+               max_seqs: int, max_anchors: int = 0, num_anchors: int = 0, packing: str = "fill",
+               anchorable: np.ndarray | None = None) -> BatchPlan:
+    """The epoch's batches. `anchorable` (anchor positions per sample, `TokenDataset.num_anchorable`)
+    skips samples without one, so every batch has an anchor; runs always pass it (`plan_for_epoch`)."""
     if packing not in PACKINGS:
         raise ValueError(f"packing must be one of {PACKINGS}, got {packing!r}")
     lengths = np.asarray(lengths, dtype=np.int64)
     supervised = np.asarray(supervised, dtype=np.int64)
-    skip = skipped_mask(lengths, supervised, token_budget)
-    keep = ~(skip["empty"] | skip["no_supervised"] | skip["over_budget"])
+    if anchorable is not None:
+        anchorable = np.asarray(anchorable, dtype=np.int64)
+    skip = skipped_mask(lengths, supervised, token_budget, anchorable)
+    keep = ~np.logical_or.reduce(list(skip.values()))
     anchors = None
     if max_anchors > 0:
-        anchors = anchors_per_sample(lengths, supervised, num_anchors)
+        # Without anchor positions, the supervised count bounds the anchors from above.
+        anchors = anchors_per_sample(supervised if anchorable is None else anchorable, num_anchors)
         # A sample alone over the anchor cap would never fit: it is skipped with the over-budget ones.
         over = keep & (anchors > max_anchors)
         skip["over_budget"] = skip["over_budget"] | over
@@ -86,6 +105,36 @@ def build_plan(lengths: np.ndarray, supervised: np.ndarray, *, seed: int, epoch:
     else:
         indices, offsets = _fill(order, lens, anc, *caps, gen)
     return BatchPlan(epoch=epoch, indices=indices, offsets=offsets, skipped={k: int(v.sum()) for k, v in skip.items()})
+
+
+def plan_for_epoch(ds, cfg, epoch: int) -> BatchPlan:
+    """The epoch's plan of a dataset under a Config: the one place that calls `build_plan` for a run,
+    with the anchor positions for the configured block size."""
+    return build_plan(ds.lengths, ds.num_supervised, anchorable=ds.num_anchorable(cfg.objective.block_size),
+                      epoch=epoch, **plan_kwargs(cfg))
+
+
+# Why a sample is skipped, and what to change when every sample is.
+_SKIP_FIX = {
+    "empty": "no tokens: check data.path, or data.synthetic.*",
+    "no_supervised": "no supervised token: check the loss mask of data.path (assistant turns?)",
+    "no_anchor": "no room for a block after a supervised token: lower objective.block_size",
+    "over_budget": "longer than a batch may hold: raise plan.token_budget (or plan.max_anchors)",
+}
+
+
+def check_trainable(epoch_counts: list[int], skipped: dict, num_samples: int) -> None:
+    """ConfigError (exit 2, before any rank waits on another) when an epoch's plan has no batch,
+    naming the skipped counts by reason and the key to change."""
+    empty = [e for e, n in enumerate(epoch_counts) if n == 0]
+    if not empty:
+        return
+    where = f"nothing to train: epoch {empty[0] + 1} of {len(epoch_counts)} has no batch"
+    if num_samples == 0:
+        raise ConfigError(f"{where}: the dataset has no samples (check data.path, or data.synthetic.num_samples)")
+    reasons = "; ".join(f"{k} {n} ({_SKIP_FIX[k]})" for k in SKIP_REASONS if (n := skipped.get(k, 0)) > 0)
+    raise ConfigError(f"{where}: the plan skips {sum(skipped.values())} of {num_samples} samples: "
+                      f"{reasons or 'none by reason (check plan.max_seqs)'}")
 
 
 def epoch_generator(seed: int, epoch: int) -> torch.Generator:
@@ -252,3 +301,48 @@ def broadcast_plan(plan: BatchPlan | None, *, src: int, group=None) -> BatchPlan
         return plan
     skipped = {k: int(header[3 + i]) for i, k in enumerate(SKIP_REASONS)}
     return BatchPlan(epoch=epoch, indices=indices.numpy(), offsets=offsets.numpy(), skipped=skipped)
+
+
+# -- the plan's life in a run: counted at start, rebuilt and verified each epoch, broadcast --------------
+
+def plan_digest(plan: BatchPlan) -> str:
+    """Short fingerprint of a plan, logged by every rank so a disagreement is visible."""
+    h = hashlib.sha1(plan.offsets.tobytes())
+    h.update(plan.indices.tobytes())
+    return h.hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class PlanCount:
+    """What rank 0 learns by building every epoch's plan at start."""
+    counts: list[int]  # batches per epoch: the LR horizon and the ETA use their exact sum
+    skipped: dict  # samples every plan skips, by reason (the same each epoch)
+    digests: list[str]  # fingerprints, kept with each checkpoint (a mid-epoch resume must rebuild the same)
+
+
+def count_epochs(ds, cfg) -> PlanCount:
+    """Rank 0: build every epoch's plan once, log its shape, keep its count and fingerprint."""
+    plans = [plan_for_epoch(ds, cfg, e) for e in range(cfg.train.epochs)]
+    lengths = np.asarray(ds.lengths)
+    for p in plans:
+        seqs = np.diff(p.offsets)
+        cum = np.concatenate([[0], np.cumsum(lengths[p.indices])])
+        toks = cum[p.offsets[1:]] - cum[p.offsets[:-1]]
+        if len(p):
+            log.info("epoch %d plan: %d batches; samples per batch mean %.1f min %d max %d; real tokens per batch "
+                     "mean %.0f min %d max %d (%.1f%% of plan.token_budget)", p.epoch + 1, len(p), seqs.mean(),
+                     seqs.min(), seqs.max(), toks.mean(), toks.min(), toks.max(),
+                     100 * toks.mean() / cfg.plan.token_budget)
+    return PlanCount([len(p) for p in plans], dict(plans[0].skipped) if plans else {}, [plan_digest(p) for p in plans])
+
+
+def epoch_plan(ds, cfg, epoch: int, expected: int, rank: int, group) -> BatchPlan:
+    """Every rank: rank 0 rebuilds the epoch's plan, checks it against the count made at start, and
+    broadcasts it on the control group; the others receive it. All return the same plan."""
+    plan = None
+    if rank == 0:
+        plan = plan_for_epoch(ds, cfg, epoch)
+        if len(plan) != expected:
+            raise RuntimeError(f"epoch {epoch + 1}: plan has {len(plan)} batches, {expected} were counted at start: "
+                               "the plan is not a pure function of (seed, epoch)")
+    return broadcast_plan(plan, src=0, group=group)

@@ -2,27 +2,32 @@
 
 config -> layout -> process groups -> build (target, data, resume point; a failure on any rank stops
 every rank with that rank's message) -> role -> teardown. Exit codes: 0 done, 2 bad config or input,
-75 stopped on request with state saved (requeue and resume), 3 a peer died, 1 any other failure.
+75 stopped on request with state saved (requeue and resume), 3 a peer died, 4 training diverged
+(non-finite loss or gradients), 1 any other failure.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from dflash_dist.checkpoint import check_plan, read_meta, resolve_resume
+from dflash_dist.checkpoint import check_plan, cleanup_leftovers, read_meta, resolve_resume
 from dflash_dist.config import Config, ConfigError, load_config
 from dflash_dist.data.dataset import preparation_skips
 from dflash_dist.data.synthetic import synthetic_dataset
 from dflash_dist.dist import DistContext, agree_on_failure, env_ranks, init_distributed, setup_logging, teardown
 from dflash_dist.liveness import DONE, FAILED, Liveness
 from dflash_dist.models.build import build_target, draft_spec
-from dflash_dist.plan import build_plan, plan_kwargs
-from dflash_dist.roles.common import RoleResult, RunSetup, plan_digest
+from dflash_dist.plan import check_trainable, count_epochs
+from dflash_dist.run import RoleResult, RunSetup
+from dflash_dist.runlock import RunLock, check_writable
+from dflash_dist.stats import EXIT_DIVERGED, Diverged
 from dflash_dist.stop import EXIT_RESUME, StopFlag
 from dflash_dist.topology import Layout, TopologyError
 
@@ -51,18 +56,16 @@ def open_dataset(cfg: Config, target=None, device=None):
                              lambda: regenerate_responses(target, ds))
 
 
-def count_epochs(cfg: Config, ds) -> tuple[list[int], dict, list[str]]:
-    """Rank 0 counts every epoch's batches at start (the LR horizon and the ETA use this exact total);
-    also the samples every plan skips, by reason (the same each epoch), and each plan's fingerprint."""
-    lengths, sup = ds.lengths, ds.num_supervised
-    plans = [build_plan(lengths, sup, epoch=e, **plan_kwargs(cfg)) for e in range(cfg.train.epochs)]
-    return [len(p) for p in plans], plans[0].skipped, [plan_digest(p) for p in plans]
-
-
-def build(cfg: Config, ctx: DistContext, stop_flag: StopFlag) -> RunSetup:
+def build(cfg: Config, ctx: DistContext, stop_flag: StopFlag, lock: RunLock) -> RunSetup:
     """Everything that can fail on bad input, on every rank, before any rank waits on another."""
-    digests: list[str] = []
+    count = None
     try:
+        if ctx.rank == 0:  # one run per run_dir; found unwritable before anything is computed
+            check_writable(cfg.train.run_dir)
+            lock.acquire()
+            removed = cleanup_leftovers(Path(cfg.train.run_dir))
+            if removed:
+                log.warning("removed leftovers of an interrupted save or prune: %s", ", ".join(removed))
         target = build_target(cfg, ctx.device)
         spec = draft_spec(cfg, target)
         # A regenerated corpus is made once, by rank 0, while the others wait in the vote below; a
@@ -71,11 +74,12 @@ def build(cfg: Config, ctx: DistContext, stop_flag: StopFlag) -> RunSetup:
         ds = None if later else open_dataset(cfg, target, ctx.device)
         if ds is not None and ds.vocab_size > spec.vocab_size:
             raise ConfigError(f"dataset vocabulary {ds.vocab_size} exceeds the target's {spec.vocab_size}")
-        resume_from, cursor = resolve_resume(cfg, ctx.layout.num_drafters)
+        resume_from, cursor = resolve_resume(cfg, ctx.layout, report=ctx.rank == 0)
         if ctx.rank == 0:  # rank 0 builds every plan; a mid-epoch resume must find the same one
-            per_epoch, skipped, digests = count_epochs(cfg, ds)
+            count = count_epochs(ds, cfg)
+            check_trainable(count.counts, count.skipped, len(ds))
             if resume_from is not None:
-                check_plan(read_meta(resume_from), resume_from, digests)
+                check_plan(read_meta(resume_from), resume_from, count.digests)
         failure = None
     except (ConfigError, ValueError, OSError) as exc:
         failure = exc
@@ -85,16 +89,29 @@ def build(cfg: Config, ctx: DistContext, stop_flag: StopFlag) -> RunSetup:
 
     counts = torch.zeros(cfg.train.epochs, dtype=torch.int64)
     if ctx.rank == 0:
-        counts[:] = torch.tensor(per_epoch)
+        counts[:] = torch.tensor(count.counts)
         log.info("dataset: %d samples, %d tokens; skipped by the plan (counted, never truncated): %s%s", len(ds),
-                 int(np.sum(ds.lengths)), skipped, f"; skipped when prepared: {prep}" if (prep := preparation_skips(ds)) else "")
+                 int(np.sum(ds.lengths)), count.skipped,
+                 f"; skipped when prepared: {prep}" if (prep := preparation_skips(ds)) else "")
         lay = ctx.layout
         log.info("layout: %d nodes x %d ranks, %d drafters %s, %d targets %s, backend %s", lay.num_nodes,
                  lay.local_world_size, lay.num_drafters, lay.drafter_ranks(), lay.num_targets, lay.target_ranks(),
                  ctx.backend)
     dist.broadcast(counts, src=0, group=ctx.ctrl_group)
     return RunSetup(cfg=cfg, ctx=ctx, target=target, spec=spec, dataset=ds, epoch_counts=tuple(counts.tolist()),
-                    cursor=cursor, resume_from=resume_from, stop_flag=stop_flag, plan_digests=tuple(digests))
+                    cursor=cursor, resume_from=resume_from, stop_flag=stop_flag,
+                    plan_digests=tuple(count.digests) if count else (), skipped=count.skipped if count else None)
+
+
+def already_complete(setup: RunSetup) -> bool:
+    """A finished run whose end-of-run work is done (its summary names the checkpoint it resumed from)."""
+    if setup.resume_from is None or setup.cursor.epoch < setup.cfg.train.epochs:
+        return False
+    f = Path(setup.cfg.train.run_dir) / "summary.json"
+    try:
+        return json.loads(f.read_text()).get("checkpoint") == str(setup.resume_from)
+    except (OSError, ValueError):
+        return False
 
 
 def is_comm_error(exc: BaseException) -> bool:
@@ -107,6 +124,10 @@ def is_comm_error(exc: BaseException) -> bool:
 
 
 def run_role(setup: RunSetup) -> RoleResult:
+    if already_complete(setup):
+        log.info("the run in %s is complete (summary.json, %s): nothing to do; train.resume=none starts over",
+                 setup.cfg.train.run_dir, setup.resume_from)
+        return RoleResult(False, setup.cursor, {})
     if setup.ctx.is_drafter:
         from dflash_dist.roles.drafter import Drafter
         return Drafter(setup).train()
@@ -132,10 +153,11 @@ def main(argv=None) -> int:
     setup_logging(rank, layout.role(rank))
     stop_flag = StopFlag().install()
     liveness = None
+    lock = RunLock(cfg.train.run_dir)  # taken by rank 0 in `build`, released on any exit
     try:
         ctx = init_distributed(cfg.dist.backend, cfg.dist.timeout_s, layout)
         liveness = Liveness(rank, world, layout.role, cfg.dist.heartbeat_s, cfg.dist.dead_after_s)
-        setup = build(cfg, ctx, stop_flag)  # its collectives follow every rank's first heartbeat
+        setup = build(cfg, ctx, stop_flag, lock)  # its collectives follow every rank's first heartbeat
         liveness.start()
         result = run_role(setup)
         liveness.mark(DONE)
@@ -149,6 +171,11 @@ def main(argv=None) -> int:
         if liveness is not None:
             liveness.mark(DONE)  # every rank stops on the same agreed error: nobody is left waiting
         return 2
+    except Diverged as exc:
+        log.error("%s", exc)
+        if liveness is not None:
+            liveness.mark(f"{FAILED}{exc}")
+        return EXIT_DIVERGED
     except BaseException as exc:
         if liveness is not None and is_comm_error(exc):
             # A peer probably died: give the watchdog the time to name it (it exits this process then).
@@ -162,6 +189,7 @@ def main(argv=None) -> int:
     finally:
         if liveness is not None:
             liveness.stop()
+        lock.release()
         teardown()
 
 

@@ -82,6 +82,21 @@ def _recv_buffer(shape: tuple[int, int], dtype: torch.dtype, device: torch.devic
     return _POOL.take(nbytes).view(dtype).view(shape)
 
 
+@dataclass(frozen=True)
+class PacketSpec:
+    """What both ends of the wire agree on, computed once from the config: feature width and transfer
+    dtype, target label ids per token (0 with data labels) and whether top-k values follow. A batch's
+    token and sequence counts come from the plan (`shape`), so the receiver sizes buffers before any byte."""
+    feat_dim: int
+    dtype: torch.dtype
+    label_width: int = 0
+    soft: bool = False
+
+    def shape(self, lengths, indices) -> tuple[int, int]:
+        """(tokens, sequences) of the batch made of these samples."""
+        return int(lengths[indices].sum()), len(indices)
+
+
 @dataclass
 class TargetLabels:
     """The target's own predictions for the next token at each packed position (distillation labels)."""
@@ -106,19 +121,28 @@ def _header(epoch, batch, n_tokens, n_seqs, feat_dim, compute_s=0.0, wait_s=0.0,
 
 
 class PacketSender:
-    def __init__(self, max_in_flight: int, group=None):
+    """blocking: on NCCL `work.wait()` only makes the current stream wait, so the CPU would not see the
+    time a send takes; with blocking the sender also waits for the stream, and `wait_s` is true time."""
+
+    def __init__(self, max_in_flight: int, group=None, blocking: bool = False):
         self.max_in_flight = max_in_flight
         self.group = group
+        self.blocking = blocking
         self.queues: dict[int, deque] = {}
         self.wait_s = 0.0  # time blocked on the in-flight bound
+
+    def _complete(self, works) -> None:
+        for w in works:
+            w.wait()
+        if self.blocking:
+            torch.cuda.current_stream().synchronize()
 
     def send(self, dst: int, epoch: int, batch: int, data: PackedBatch, features: torch.Tensor,
              compute_s: float, wait_s: float, target: TargetLabels | None = None) -> None:
         q = self.queues.setdefault(dst, deque())
         t0 = time.perf_counter()
         while len(q) >= self.max_in_flight:
-            for w in q.popleft()[0]:
-                w.wait()
+            self._complete(q.popleft()[0])
         self.wait_s += time.perf_counter() - t0
         dev = features.device
         n, s = data.num_tokens, data.num_seqs
@@ -137,8 +161,7 @@ class PacketSender:
         t0 = time.perf_counter()
         for q in self.queues.values():
             while q:
-                for w in q.popleft()[0]:
-                    w.wait()
+                self._complete(q.popleft()[0])
         self.wait_s += time.perf_counter() - t0
 
 

@@ -62,11 +62,12 @@ def draft_spec(cfg: Config, target) -> DraftSpec:
         mask_token_id=mask, target_layer_ids=tuple(ids), num_target_layers=L)
 
 
-def build_drafter(spec: DraftSpec, target, seed: int, device: torch.device) -> DFlashDrafter:
-    """Seeded, so every drafter rank starts from the same weights (DDP also broadcasts them)."""
+def build_drafter(spec: DraftSpec, target, seed: int, device: torch.device,
+                  checkpoint_layers: bool = False) -> DFlashDrafter:
+    """Seeded, so every drafter rank starts from the same weights (drafter 0 also broadcasts them)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = DFlashDrafter(spec)
+        model = DFlashDrafter(spec, checkpoint_layers=checkpoint_layers)
     model = model.to(device)  # trained in float32; bf16 autocast on CUDA
     model.attach_target_head(target.embed_tokens, target.lm_head)
     return model

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from dflash_dist.models.attention import packed_block_attention
-from dflash_dist.models.qwen3 import MLP, Attention, RMSNorm, apply_rope, rope_cos_sin
+from dflash_dist.models.qwen3 import DecoderLayer, RMSNorm, apply_rope, rope_cos_sin
 
 
 @dataclass(frozen=True)
@@ -35,13 +36,11 @@ class DraftSpec:
     num_target_layers: int
 
 
-class DraftLayer(nn.Module):
+class DraftLayer(DecoderLayer):
+    """A Qwen3 decoder layer whose keys and values also cover the fused target context."""
+
     def __init__(self, s: DraftSpec):
-        super().__init__()
-        self.self_attn = Attention(s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, s.rms_eps)
-        self.mlp = MLP(s.hidden_size, s.intermediate_size)
-        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_eps)
-        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_eps)
+        super().__init__(s.hidden_size, s.intermediate_size, s.num_heads, s.num_kv_heads, s.head_dim, s.rms_eps)
 
     def forward(self, x, ctx, blk_rope, ctx_rope, ctx_start, ctx_end):
         """x: (A, B, H) blocks; ctx: (N, H) fused context of the packed batch. Block j attends to context
@@ -57,9 +56,10 @@ class DraftLayer(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
-    def __init__(self, spec: DraftSpec):
+    def __init__(self, spec: DraftSpec, checkpoint_layers: bool = False):
         super().__init__()
         self.spec = spec
+        self.checkpoint_layers = checkpoint_layers  # recompute each layer in backward: activations per layer
         n_feat = len(spec.target_layer_ids)
         self.fc = nn.Linear(n_feat * spec.hidden_size, spec.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(spec.hidden_size, spec.rms_eps)
@@ -72,30 +72,55 @@ class DFlashDrafter(nn.Module):
     def attach_target_head(self, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
         for p in list(embed_tokens.parameters()) + list(lm_head.parameters()):
             p.requires_grad_(False)
-        # object.__setattr__ keeps them out of parameters(), state_dict() and DDP's buckets.
+        # object.__setattr__ keeps them out of parameters(), state_dict() and gradient syncs.
         object.__setattr__(self, "_embed", embed_tokens)
         object.__setattr__(self, "_lm_head", lm_head)
 
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self._lm_head
+
+    def context(self, features: torch.Tensor) -> torch.Tensor:
+        """(N, n_layers*H) target features -> (N, H) fused context. Under autocast the features go to
+        `fc` as they are (bf16): a float32 copy of a 49K-token batch would be 3.8 GiB for nothing."""
+        if not torch.is_autocast_enabled(features.device.type):
+            features = features.to(self.fc.weight.dtype)
+        return self.hidden_norm(self.fc(features))
+
+    def draft_hidden(self, ctx, input_ids, position_ids, anchors, ctx_start) -> torch.Tensor:
+        """Final-normed hidden states (A, B, H) of the blocks at `anchors` (packed indices).
+
+        ctx: (N, H) from `context`; ctx_start: (A,) first packed index of each anchor's sequence. Block j
+        is [token at anchor j, MASK x (B-1)] at positions anchor_j + k and sees context rows
+        [ctx_start[j], anchors[j]). Anchors may be any subset of a batch's (a chunk)."""
+        s = self.spec
+        B, dev = s.block_size, anchors.device
+        block_ids = torch.full((anchors.numel(), B), s.mask_token_id, dtype=torch.long, device=dev)
+        block_ids[:, 0] = input_ids[anchors]
+        x = self._embed(block_ids).to(ctx.dtype)
+        blk_pos = position_ids[anchors][:, None] + torch.arange(B, device=dev)
+        blk_rope = rope_cos_sin(blk_pos, s.head_dim, s.rope_theta, x.dtype)
+        ctx_rope = rope_cos_sin(position_ids, s.head_dim, s.rope_theta, x.dtype)
+        for layer in self.layers:
+            if self.checkpoint_layers and torch.is_grad_enabled():
+                x = checkpoint(layer, x, ctx, blk_rope, ctx_rope, ctx_start, anchors, use_reentrant=False)
+            else:
+                x = layer(x, ctx, blk_rope, ctx_rope, ctx_start, anchors)
+        return self.norm(x)
+
     def forward(self, features, input_ids, cu_seqlens, position_ids, anchors, anchor_cu):
-        """Logits (A, B, V) of every block.
+        """Logits (A, B, V) of every block (evaluation; training goes through `dflash_dist.step`).
 
         features: (N, n_layers*H) target features of the packed batch; input_ids, position_ids: (N,);
         cu_seqlens: (S+1,); anchors: (A,) packed indices, sorted, grouped by sequence;
         anchor_cu: (S+1,) anchors of sequence s are anchors[anchor_cu[s]:anchor_cu[s+1]].
         """
-        s = self.spec
-        B = s.block_size
-        ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
-        block_ids = torch.full((anchors.numel(), B), s.mask_token_id, dtype=torch.long, device=anchors.device)
-        block_ids[:, 0] = input_ids[anchors]
-        x = self._embed(block_ids).to(ctx.dtype)
-        anchor_pos = position_ids[anchors]
-        blk_pos = anchor_pos[:, None] + torch.arange(B, device=anchors.device)
-        blk_rope = rope_cos_sin(blk_pos, s.head_dim, s.rope_theta, x.dtype)
-        ctx_rope = rope_cos_sin(position_ids, s.head_dim, s.rope_theta, x.dtype)
-        seq = torch.repeat_interleave(torch.arange(anchor_cu.numel() - 1, device=anchors.device),
-                                      anchor_cu[1:] - anchor_cu[:-1], output_size=anchors.numel())
-        ctx_start, ctx_end = cu_seqlens.to(anchors.device)[seq], anchors  # [sequence start, anchor)
-        for layer in self.layers:
-            x = layer(x, ctx, blk_rope, ctx_rope, ctx_start, ctx_end)
-        return self._lm_head(self.norm(x).to(self._lm_head.weight.dtype))
+        hidden = self.draft_hidden(self.context(features), input_ids, position_ids, anchors,
+                                   anchor_seq_starts(cu_seqlens, anchor_cu, anchors.numel()))
+        return self._lm_head(hidden.to(self._lm_head.weight.dtype))
+
+
+def anchor_seq_starts(cu_seqlens: torch.Tensor, anchor_cu: torch.Tensor, num_anchors: int) -> torch.Tensor:
+    """(A,) first packed index of each anchor's sequence."""
+    counts = (anchor_cu[1:] - anchor_cu[:-1]).to(cu_seqlens.device)
+    return torch.repeat_interleave(cu_seqlens[:-1], counts, output_size=num_anchors)

@@ -1,94 +1,99 @@
 """Target role: for each batch routed to me, collate -> frozen forward -> capture -> send to its drafter.
 
-Batches are handled in increasing b, in windows of `train.sync_every` global steps; between windows
-the rank takes part in the stop agreement (stop.py), exactly where the drafters do.
-With distillation labels the forward runs to the logits and the packet also carries the target's
-predictions (objective.py, transport.py).
+Batches are handled in increasing b; before each one the rank passes the stop votes of every boundary
+up to that batch's step (schedule.Votes), exactly where the drafters do. With distillation labels the
+forward runs to the end and the packet also carries the target's predictions (capture.py, transport.py).
 """
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
+from dflash_dist.capture import capture_for_drafter, packet_spec
 from dflash_dist.checkpoint import Cursor
-from dflash_dist.data.collate import collate
-from dflash_dist.models.build import compute_dtype
-from dflash_dist.objective import predictions_from_hidden
-from dflash_dist.plan import broadcast_plan
-from dflash_dist.roles.common import RoleResult, RunSetup, plan_digest, start_step
+from dflash_dist.data.collate import PackedBatch, collate
+from dflash_dist.plan import epoch_plan, plan_digest
+from dflash_dist.run import RoleResult, RunSetup
+from dflash_dist.schedule import EpochSchedule, Votes
+from dflash_dist.stats import device_clock, wait_fraction
 from dflash_dist.stop import StopAgreement
-from dflash_dist.transport import PacketSender, TargetLabels
+from dflash_dist.transport import PacketSender
 
 log = logging.getLogger(__name__)
 
 
-def capture_for_drafter(target, batch, layer_ids, objective) -> tuple[torch.Tensor, TargetLabels | None]:
-    """The features of `layer_ids` and, for distillation labels, the target's predictions (which need
-    the whole forward; data labels stop after the last captured layer)."""
-    distill = objective.labels != "data"
-    feats, final = target.capture(batch.input_ids, batch.cu_seqlens, batch.position_ids, layer_ids,
-                                  final_hidden=distill)
-    if not distill:
-        return feats, None
-    ids, values = predictions_from_hidden(final, target.lm_head, objective.labels, objective.soft_top_k)
-    return feats, TargetLabels(ids, values)
+class Target:
+    def __init__(self, run: RunSetup):
+        self.run, self.layout = run, run.ctx.layout
+        self.packets = packet_spec(run.cfg, run.spec, run.ctx.device)
+        self.sender = PacketSender(run.cfg.transport.max_in_flight, blocking=run.ctx.device.type == "cuda")
+        self.clock = device_clock(run.ctx.device)
+        self.compute_s = self.vote_wait_s = 0.0
+        self.sent = 0
+
+    @property
+    def wait_s(self) -> float:
+        return self.sender.wait_s + self.vote_wait_s
+
+    def stats(self) -> dict:
+        return {"packets": self.sent, "compute_s": self.compute_s, "wait_s": self.wait_s}
+
+    def run_all(self) -> RoleResult:
+        cfg = self.run.cfg
+        self.warm_up()
+        for epoch in range(self.run.cursor.epoch, cfg.train.epochs):
+            stopped = self.run_epoch(epoch)
+            if stopped is not None:
+                self.sender.flush()
+                return RoleResult(True, stopped, self.stats())
+        self.sender.flush()  # (not on a failure: a dead peer's sends never complete)
+        log.info("done: %d packets sent, compute %.1fs, waiting %.1fs (%.0f%%)", self.sent, self.compute_s,
+                 self.wait_s, 100 * wait_fraction(self.wait_s, self.compute_s))
+        return RoleResult(False, Cursor(cfg.train.epochs, 0), self.stats())
+
+    def run_epoch(self, epoch: int) -> Cursor | None:
+        run, cfg, ctx = self.run, self.run.cfg, self.run.ctx
+        t0 = self.clock()
+        plan = epoch_plan(run.dataset, cfg, epoch, run.epoch_counts[epoch], ctx.rank, ctx.ctrl_group)
+        if epoch > run.cursor.epoch:  # the first plan waits for rank 0's start-up (and tau), not the pipeline
+            self.vote_wait_s += self.clock() - t0
+        sched = EpochSchedule(epoch, len(plan), run.origin(epoch), self.layout.num_drafters, cfg.train.sync_every)
+        mine = sched.target_batches(self.layout, ctx.rank)
+        log.info("epoch %d: %d batches (plan %s), %d routed to me%s", epoch + 1, len(plan), plan_digest(plan),
+                 len(mine), f", resuming at batch {sched.origin}" if sched.origin else "")
+        votes = Votes(sched, StopAgreement(run.stop_flag, ctx.ctrl_group))
+        for b in mine + [None]:
+            t0 = self.clock()
+            stop = votes.reach(sched.steps - 1 if b is None else sched.step_of(b))
+            self.vote_wait_s += self.clock() - t0
+            if stop:
+                return Cursor(epoch, sched.next_batch(votes.stop_step()))
+            if b is not None:
+                self.compute_and_send(collate(run.dataset, plan.batch(b)), epoch, b, sched.route(self.layout, b)[1])
+        t0 = self.clock()
+        stop = votes.finish()
+        self.vote_wait_s += self.clock() - t0
+        return Cursor(epoch + 1, 0) if stop and epoch + 1 < cfg.train.epochs else None
+
+    def compute_and_send(self, batch: PackedBatch, epoch: int, b: int, drafter: int) -> None:
+        run = self.run
+        t0 = self.clock()
+        batch = batch.to(run.ctx.device)
+        feats, labels = capture_for_drafter(run.target, batch, run.spec.target_layer_ids, run.cfg.objective,
+                                            self.packets.dtype)
+        self.compute_s += self.clock() - t0  # the clock waits for the GPU: this is the forward's true time
+        self.sender.send(drafter, epoch, b, batch, feats, self.compute_s, self.wait_s, labels)
+        self.sent += 1
+
+    def warm_up(self) -> None:
+        """One capture of a small packed batch before the first collective (compiles the attention)."""
+        dev, B = self.run.ctx.device, self.run.cfg.objective.block_size
+        cu = torch.tensor([0, B + 3, 3 * B + 4], device=dev)
+        ids = torch.zeros(3 * B + 4, dtype=torch.long, device=dev)
+        capture_for_drafter(self.run.target, PackedBatch(ids, torch.ones_like(ids, dtype=torch.bool), cu),
+                            self.run.spec.target_layer_ids, self.run.cfg.objective, self.packets.dtype)
 
 
 def run_target(run: RunSetup) -> RoleResult:
-    cfg, ctx, target, spec = run.cfg, run.ctx, run.target, run.spec
-    layout, device = ctx.layout, ctx.device
-    D, S = layout.num_drafters, cfg.train.sync_every
-    dtype = compute_dtype(cfg.transport.dtype, device) if cfg.transport.dtype != "auto" else next(target.parameters()).dtype
-    sender = PacketSender(cfg.transport.max_in_flight)
-    compute_s, plan_wait_s, sent = 0.0, 0.0, 0
-
-    def stats() -> dict:
-        wait_s = sender.wait_s + plan_wait_s
-        return {"packets": sent, "compute_s": compute_s, "wait_s": wait_s}
-
-    for epoch in range(run.cursor.epoch, cfg.train.epochs):
-        t0 = time.perf_counter()
-        plan = broadcast_plan(None, src=0, group=ctx.ctrl_group)
-        if epoch > run.cursor.epoch:  # the first plan waits for rank 0's start-up (and tau), not the pipeline
-            plan_wait_s += time.perf_counter() - t0
-        n, start = len(plan), start_step(run, epoch)
-        steps = layout.num_steps(n)
-        mine = [b for b in layout.batches_of(ctx.rank, n) if b // D >= start]
-        log.info("epoch %d: %d batches (plan %s), %d routed to me%s", epoch + 1, n, plan_digest(plan), len(mine),
-                 f", resuming at step {start}" if start else "")
-        agree = StopAgreement(run.stop_flag, ctx.ctrl_group)
-        k = 1
-        for b in mine + [None]:
-            # Pass every boundary before this batch's step (all of them after the last batch).
-            while start + k * S < steps and (b is None or b // D >= start + k * S):
-                t0 = time.perf_counter()
-                stop = agree.boundary(k)
-                plan_wait_s += time.perf_counter() - t0
-                if stop:
-                    sender.flush()
-                    return RoleResult(True, Cursor(epoch, start + k * S), stats())
-                k += 1
-            if b is None:
-                break
-            t0 = time.perf_counter()
-            batch = collate(run.dataset, plan.batch(b)).to(device)
-            feats, labels = capture_for_drafter(target, batch, spec.target_layer_ids, cfg.objective)
-            feats = feats.to(dtype)
-            if device.type == "cuda":
-                torch.cuda.current_stream().synchronize()  # honest compute time; the send waits on it anyway
-            compute_s += time.perf_counter() - t0
-            sender.send(layout.route(b)[1], epoch, b, batch, feats, compute_s, sender.wait_s + plan_wait_s, labels)
-            sent += 1
-        t0 = time.perf_counter()
-        stop = agree.finish()
-        plan_wait_s += time.perf_counter() - t0
-        if stop and epoch + 1 < cfg.train.epochs:
-            sender.flush()
-            return RoleResult(True, Cursor(epoch + 1, 0), stats())
-    sender.flush()
-    s = stats()
-    log.info("done: %d packets sent, compute %.1fs, waiting %.1fs (%.0f%%)", sent, compute_s, s["wait_s"],
-             100 * s["wait_s"] / max(compute_s + s["wait_s"], 1e-9))
-    return RoleResult(False, Cursor(cfg.train.epochs, 0), s)
+    return Target(run).run_all()

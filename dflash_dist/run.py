@@ -1,7 +1,7 @@
-"""What every role receives: one value holding the config, the process groups and the built parts."""
+"""What every role receives (one value with the config, the process groups and the built parts), and
+what it returns."""
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,7 +11,6 @@ from dflash_dist.config import Config
 from dflash_dist.data.dataset import TokenDataset
 from dflash_dist.dist import DistContext
 from dflash_dist.models.drafter import DraftSpec
-from dflash_dist.plan import BatchPlan
 from dflash_dist.stop import StopFlag
 
 
@@ -19,7 +18,7 @@ from dflash_dist.stop import StopFlag
 class RunSetup:
     cfg: Config
     ctx: DistContext
-    target: Any  # TinyQwen3 or the transformers adapter: .capture, .embed_tokens, .lm_head
+    target: Any  # TinyQwen3, the transformers adapter, or a head-only stand-in on drafters
     spec: DraftSpec
     dataset: TokenDataset
     epoch_counts: tuple[int, ...]  # batches of every epoch, counted by rank 0 at start
@@ -27,6 +26,11 @@ class RunSetup:
     resume_from: Path | None
     stop_flag: StopFlag
     plan_digests: tuple[str, ...] = ()  # rank 0: every epoch's plan fingerprint, kept with each checkpoint
+    skipped: dict | None = None  # rank 0: samples every plan skips, by reason
+
+    def origin(self, epoch: int) -> int:
+        """First batch of `epoch` this run trains."""
+        return self.cursor.batch if epoch == self.cursor.epoch else 0
 
 
 @dataclass(frozen=True)
@@ -34,14 +38,3 @@ class RoleResult:
     stopped: bool  # True: stopped on request before the end (state saved; resume me)
     cursor: Cursor  # where a resumed run continues
     stats: dict
-
-
-def plan_digest(plan: BatchPlan) -> str:
-    """Short fingerprint of a plan, logged by every rank so a disagreement is visible."""
-    h = hashlib.sha1(plan.offsets.tobytes())
-    h.update(plan.indices.tobytes())
-    return h.hexdigest()[:12]
-
-
-def start_step(run: RunSetup, epoch: int) -> int:
-    return run.cursor.step if epoch == run.cursor.epoch else 0

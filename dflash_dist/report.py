@@ -1,0 +1,208 @@
+"""Rank 0's reporting: the monitor thread, the sinks (console, JSONL, wandb), tau evaluation, epoch
+records, the stop record and the end-of-run summary with the balance advice. Every other rank gets the
+do-nothing twin, chosen once, so the training loop has no rank-0 branches.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from dflash_dist.balance import balance_advice, format_advice
+from dflash_dist.config import to_dict
+from dflash_dist.data.dataset import preparation_skips
+from dflash_dist.export import export_drafter
+from dflash_dist.fsutil import write_json
+from dflash_dist.monitor import Monitor, Progress, Sinks
+from dflash_dist.run import RunSetup
+from dflash_dist.schedule import EpochSchedule
+from dflash_dist.stats import StepStats, wait_fraction
+from dflash_dist.train_state import History, TrainState
+
+log = logging.getLogger(__name__)
+
+
+class NullReporter:
+    """What ranks other than 0 report: nothing."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def evaluate(self, label: str) -> dict | None:
+        return None
+
+    def begin_training(self) -> None: ...
+    def epoch_start(self, sched: EpochSchedule) -> None: ...
+    def step(self, s: StepStats, targets: torch.Tensor, lr: float, grad_norm: float) -> None: ...
+    def epoch_end(self, sched: EpochSchedule, seconds: float) -> None: ...
+    def training_over(self) -> None: ...
+    def stopped(self) -> None: ...
+    def maybe_save(self) -> None: ...
+
+    def save(self) -> Path | None:
+        return None
+
+    def export(self) -> Path | None:
+        return None
+
+    def finish(self, digest: str, checkpoint: Path | None, exported: Path | None, tau_trained: dict | None) -> dict:
+        return {}
+
+    def history_now(self) -> History | None:
+        return None
+
+
+class Reporter(NullReporter):
+    def __init__(self, run: RunSetup, state: TrainState, total_steps: int):
+        self.run, self.state, self.total_steps = run, state, total_steps
+        cfg, t = run.cfg, state.totals
+        self.run_dir = Path(cfg.train.run_dir)
+        p = self.progress = Progress(num_epochs=cfg.train.epochs, epoch_counts=list(run.epoch_counts))
+        p.step, p.tokens, p.samples, p.total_done, p.skipped_steps = t.steps, t.tokens, t.samples, t.batches, t.skipped_steps
+        p.resumed_done, p.resumed_tokens, p.resumed_samples = t.batches, t.tokens, t.samples
+        self.sinks: Sinks | None = None
+        self.monitor: Monitor | None = None
+        self.last_save = time.time()
+
+    def __enter__(self):
+        cfg, h = self.run.cfg, self.state.history
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.sinks = Sinks(self.run_dir, cfg.wandb, to_dict(cfg))  # TODO(lead): run_id=h.wandb_id
+        h.wandb_id = getattr(self.sinks, "run_id", None)  # a resumed run continues the same wandb run
+        self.monitor = Monitor(self.progress, self.sinks, cfg.monitor.interval_s, self.run.ctx.device).start()
+        log.info("plan: %s batches over %d epochs = %d total; %d optimizer steps on %d drafters",
+                 list(self.run.epoch_counts), cfg.train.epochs, sum(self.run.epoch_counts), self.total_steps,
+                 self.run.ctx.layout.num_drafters)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.monitor is not None:
+            self.monitor.stop()
+        if self.sinks is not None:
+            self.sinks.close()
+
+    def evaluate(self, label: str) -> dict | None:
+        """tau by real draft-then-verify decoding on held-out prompts of the synthetic corpus (prepared
+        data: `python -m dflash_dist.evaluate` after the run, where the whole target can be loaded)."""
+        cfg = self.run.cfg
+        if cfg.train.eval_prompts <= 0 or cfg.data.path:
+            return None
+        from dflash_dist.evaluate import acceptance_length, heldout_prompts
+        t0 = time.time()
+        r = acceptance_length(self.run.target, self.state.model, heldout_prompts(cfg, cfg.train.eval_prompts),
+                              cfg.train.eval_new_tokens)
+        log.info("acceptance length tau (%s drafter): %.3f over %d verify steps of %d held-out prompts; speculative "
+                 "output %s the target's greedy output (%.1fs)", label, r["tau"], r["num_steps"], r["num_prompts"],
+                 "equals" if r["exact"] else f"DIFFERS ({r['mismatches']} prompts) from", time.time() - t0)
+        return {k: r[k] for k in ("tau", "num_prompts", "num_steps", "exact", "mismatches")}
+
+    def begin_training(self) -> None:
+        self.progress.started = time.time()  # rates and ETA count training time only
+
+    def epoch_start(self, sched: EpochSchedule) -> None:
+        p = self.progress
+        p.epoch, p.epoch_batches, p.epoch_done = sched.epoch, sched.num_batches, sched.origin
+
+    def step(self, s: StepStats, targets: torch.Tensor, lr: float, grad_norm: float) -> None:
+        """Fold one step's all-reduced stats in. The monitor thread reads `progress`; each store below is
+        a single attribute assignment (atomic under the GIL)."""
+        t, p = self.state.totals, self.progress
+        t.add(s)
+        tc = targets.cpu()
+        p.loss, p.acc, p.accept_len = s.loss, s.accuracy(), s.accept_sum / max(s.blocks, 1)
+        p.tokens, p.samples = t.tokens, t.samples
+        p.drafter_wait_s, p.drafter_compute_s = s.wait_s, s.compute_s
+        p.target_compute_s, p.target_wait_s = float(tc[:, 0].sum()), float(tc[:, 1].sum())
+        p.lr, p.grad_norm, p.skipped_steps = lr, grad_norm, t.skipped_steps
+        p.epoch_done += s.batches
+        p.total_done = t.batches
+        p.step = t.steps
+
+    def epoch_end(self, sched: EpochSchedule, seconds: float) -> None:
+        rec = self.monitor.report(kind="epoch_end")
+        self.state.history.epochs.append({"epoch": sched.epoch + 1, "batches": sched.num_batches,
+                                          "epoch_progress": rec["epoch_progress"], "time_s": round(seconds, 2),
+                                          "loss": rec["loss"]})
+
+    def training_over(self) -> None:
+        self.monitor.stop()  # no more progress lines during the final evaluation
+
+    def stopped(self) -> None:
+        self.monitor.report(kind="stopped")
+
+    # -- rank 0's files: checkpoints (replicas are identical, so one copy) and the export ---------------
+    def save(self) -> Path:
+        run = self.run
+        self.last_save = time.time()
+        return self.state.save(run.cfg, run.ctx.layout, run.epoch_counts, run.plan_digests, self.history_now())
+
+    def maybe_save(self) -> None:
+        """Periodic saves by steps and/or minutes (rank 0 alone decides: no agreement is needed)."""
+        t = self.run.cfg.train
+        due_steps = t.checkpoint_every_steps > 0 and self.state.totals.steps % t.checkpoint_every_steps == 0
+        due_time = t.checkpoint_every_min > 0 and time.time() - self.last_save >= 60 * t.checkpoint_every_min
+        if due_steps or due_time:
+            self.save()
+
+    def export(self) -> Path | None:
+        if not self.run.cfg.train.export:
+            return None
+        model = self.state.model
+        bad = [k for k, v in model.state_dict().items() if v.is_floating_point() and not torch.isfinite(v).all()]
+        if bad:
+            raise FloatingPointError(f"refusing to export non-finite weights ({', '.join(bad[:3])})")
+        return export_drafter(model, self.run_dir / "export")
+
+    def finish(self, digest: str, checkpoint: Path | None, exported: Path | None, tau_trained: dict | None) -> dict:
+        run, t, h, p = self.run, self.state.totals, self.state.history, self.progress
+        lay = run.ctx.layout
+        elapsed = time.time() - p.started
+        dw, dc = h.drafter_wait_s + p.drafter_wait_s, h.drafter_compute_s + p.drafter_compute_s
+        tw, tc = h.target_wait_s + p.target_wait_s, h.target_compute_s + p.target_compute_s
+        summary = {
+            "epochs": h.epochs, "steps": t.steps, "batches": t.batches, "samples": t.samples, "tokens": t.tokens,
+            "time_s": round(h.train_time_s + elapsed, 2),
+            "tok_per_s": (t.tokens - p.resumed_tokens) / max(elapsed, 1e-9),  # this process's rate
+            "final_loss": p.loss, "mean_loss": t.loss_sum / max(t.weight_sum, 1e-9),
+            "acc_per_position": [round(a, 4) for a in t.accuracy()],
+            "final_acc_per_position": [round(a, 4) for a in p.acc],
+            "final_accept_len_estimate": p.accept_len,  # teacher-forced, over anchors: not decoding tau
+            "skipped_nonfinite_steps": t.skipped_steps,
+            "tau_untrained": h.tau_untrained, "tau_trained": tau_trained,
+            "skipped": dict(run.skipped or {}), "skipped_in_preparation": preparation_skips(run.dataset),
+            "checkpoint": str(checkpoint) if checkpoint else None, "export": str(exported) if exported else None,
+            "weights_digest": digest, "wait_targets": wait_fraction(tw, tc), "wait_drafters": wait_fraction(dw, dc),
+            "target_compute_s": tc, "target_wait_s": tw, "drafter_compute_s": dc, "drafter_wait_s": dw,
+            "num_targets": lay.num_targets, "num_drafters": lay.num_drafters, "mode": run.cfg.roles.mode,
+        }
+        if not lay.colocated:
+            summary["balance"] = balance_advice(tc, dc, t.batches, lay.local_world_size, lay.drafters_per_node,
+                                                summary["wait_targets"], summary["wait_drafters"])
+            log.info("%s", format_advice(summary["balance"]))
+        write_json(self.run_dir / "summary.json", summary)
+        self.sinks.write({"kind": "summary", **summary}, console=False)
+        log.info("summary: %s", ", ".join(f"epoch {e['epoch']}: {e['batches']} batches" for e in h.epochs))
+        log.info("summary: %d samples, %d tokens; this process %.1fs (%.0f tok/s); final loss %.3f; accuracy by "
+                 "position %s; expected acceptance length %.2f", t.samples, t.tokens, elapsed, summary["tok_per_s"],
+                 p.loss, " ".join(f"{a:.2f}" for a in p.acc), p.accept_len)
+        log.info("summary: checkpoint %s; export %s", checkpoint, exported)
+        return summary
+
+    def history_now(self) -> History:
+        """The history as a checkpoint saved now must carry it: earlier processes plus this one so far."""
+        h, p = self.state.history, self.progress
+        return replace(h, train_time_s=h.train_time_s + time.time() - p.started,
+                       drafter_wait_s=h.drafter_wait_s + p.drafter_wait_s,
+                       drafter_compute_s=h.drafter_compute_s + p.drafter_compute_s,
+                       target_wait_s=h.target_wait_s + p.target_wait_s,
+                       target_compute_s=h.target_compute_s + p.target_compute_s, epochs=list(h.epochs))
+
+
+def make_reporter(run: RunSetup, state: TrainState, total_steps: int) -> NullReporter:
+    return Reporter(run, state, total_steps) if run.ctx.rank == 0 else NullReporter()

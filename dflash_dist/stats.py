@@ -1,0 +1,80 @@
+"""What drafters all-reduce after every step, as named fields with one place that packs them.
+
+`StepStats` sums over drafters; rank 0 folds it into the run's totals and the monitor's progress.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+# Scalar fields in pack order; `correct` and `valid` (one per block slot) follow.
+_SCALARS = ("loss_sum", "weight_sum", "tokens", "seqs", "accept_sum", "blocks", "batches", "wait_s", "compute_s")
+
+
+@dataclass
+class StepStats:
+    block_size: int
+    loss_sum: float = 0.0  # sum of w * ce over the step's trained slots
+    weight_sum: float = 0.0
+    tokens: int = 0
+    seqs: int = 0
+    accept_sum: float = 0.0  # accepted prefix (+1) summed over blocks
+    blocks: int = 0
+    batches: int = 0
+    wait_s: float = 0.0  # cumulative seconds this drafter waited for packets (summed over drafters)
+    compute_s: float = 0.0  # cumulative seconds of drafter compute
+    correct: torch.Tensor = field(default=None)  # (B,) hits per block slot
+    valid: torch.Tensor = field(default=None)  # (B,) trained labels per slot
+
+    def __post_init__(self) -> None:
+        if self.correct is None:
+            self.correct = torch.zeros(self.block_size, dtype=torch.float64)
+        if self.valid is None:
+            self.valid = torch.zeros(self.block_size, dtype=torch.float64)
+
+    def pack(self, device) -> torch.Tensor:
+        head = torch.tensor([float(getattr(self, k)) for k in _SCALARS], dtype=torch.float64)
+        return torch.cat([head, self.correct.double().cpu(), self.valid.double().cpu()]).to(device)
+
+    @classmethod
+    def unpack(cls, t: torch.Tensor, block_size: int) -> "StepStats":
+        t = t.cpu()
+        n, B = len(_SCALARS), block_size
+        kinds = {f.name: f.type for f in fields(cls)}
+        vals = {k: (int(t[i]) if kinds[k] == "int" else float(t[i])) for i, k in enumerate(_SCALARS)}
+        return cls(block_size=B, correct=t[n:n + B].clone(), valid=t[n + B:n + 2 * B].clone(), **vals)
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / self.weight_sum if self.weight_sum > 0 else float("nan")
+
+    def accuracy(self) -> list[float]:
+        """Per slot k >= 1 (slot 0 is the given anchor token)."""
+        return (self.correct[1:] / self.valid[1:].clamp(min=1)).tolist()
+
+
+def wait_fraction(wait_s: float, compute_s: float) -> float:
+    """Share of a role's time spent waiting: the one definition used by monitor, summary and advice."""
+    return wait_s / (wait_s + compute_s) if wait_s + compute_s > 0 else 0.0
+
+
+EXIT_DIVERGED = 4  # the loss or gradient norm was not finite in train.max_nonfinite_steps steps
+
+
+class Diverged(RuntimeError):
+    """Raised alike on every drafter (the decision follows all-reduced values)."""
+
+
+def device_clock(device: torch.device):
+    """A clock for wait/compute accounting. On CUDA kernels and NCCL waits are asynchronous: the CPU
+    returns before the work is done, so each reading first waits for the current stream; one reading
+    per stage boundary (a handful per step) is what true accounting costs."""
+    import time
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def now() -> float:
+        torch.cuda.current_stream(device).synchronize()
+        return time.perf_counter()
+    return now

@@ -1,0 +1,70 @@
+"""One drafter training step without the optimizer: forward and backward of the DFlash loss on a batch.
+
+Memory follows the anchor chunk, not the batch. The fused context (`fc` + `hidden_norm` over the batch's
+features) is computed once; its output is detached into a leaf that every anchor chunk reads, so each
+chunk's draft layers and loss are backwarded as soon as they are computed (their activations freed), the
+context's gradient accumulates in the leaf, and one final backward takes it through `fc`. Each chunk's
+loss is divided by the weight sum of the WHOLE batch, so the chunks add up to exactly the unchunked loss
+and gradient. The LM head and cross-entropy run `loss_rows` rows at a time (`objective.lm_head_loss`).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import replace
+
+import torch
+
+from dflash_dist.data.collate import PackedBatch
+from dflash_dist.models.drafter import DFlashDrafter, anchor_seq_starts
+from dflash_dist.objective import (StepMetrics, argmax_block_labels, block_labels, lm_head_loss,
+                                   soft_block_targets)
+from dflash_dist.transport import TargetLabels
+
+
+def batch_targets(batch: PackedBatch, target: TargetLabels | None, anchors, anchor_cu, block_size: int,
+                  gamma: float):
+    """(labels (A, B), weights (A, B), soft (probs, ids) or None) for the objective's label kind."""
+    labels, weights = block_labels(batch.input_ids, batch.loss_mask, batch.cu_seqlens, anchors, anchor_cu,
+                                   block_size, gamma)
+    if target is None:
+        return labels, weights, None
+    if target.values is None:
+        return argmax_block_labels(target.ids[:, 0], labels, anchors), weights, None
+    probs, ids, top1 = soft_block_targets(target.values, target.ids, labels, anchors)
+    return top1, weights, (probs, ids)
+
+
+def merge_metrics(parts: list[StepMetrics]) -> StepMetrics:
+    first = parts[0]
+    return replace(first, loss_sum=sum(m.loss_sum for m in parts), weight_sum=sum(m.weight_sum for m in parts),
+                   correct=sum(m.correct for m in parts), valid=sum(m.valid for m in parts),
+                   accept_sum=sum(m.accept_sum for m in parts), num_blocks=sum(m.num_blocks for m in parts))
+
+
+def drafter_step(model: DFlashDrafter, batch: PackedBatch, features: torch.Tensor, target: TargetLabels | None,
+                 anchors: torch.Tensor, anchor_cu: torch.Tensor, *, gamma: float, anchor_chunk: int = 0,
+                 loss_rows: int = 8192, scale: float = 1.0, autocast=contextlib.nullcontext()) -> StepMetrics:
+    """Forward + backward of one batch; gradients accumulate in the parameters' .grad (scaled by `scale`)."""
+    A = anchors.numel()
+    if A == 0:
+        raise ValueError("a batch without any anchor reached the drafter step (the plan must skip such samples)")
+    labels, weights, soft = batch_targets(batch, target, anchors, anchor_cu, model.spec.block_size, gamma)
+    starts = anchor_seq_starts(batch.cu_seqlens, anchor_cu, A)
+    positions = batch.position_ids
+    norm = scale / weights.sum().clamp(min=1e-9)
+    head = model.lm_head.weight
+    with autocast:
+        ctx = model.context(features)
+    leaf = ctx.detach().requires_grad_()
+    chunk = anchor_chunk if 0 < anchor_chunk < A else A
+    parts = []
+    for a in range(0, A, chunk):
+        sl = slice(a, a + chunk)
+        with autocast:
+            hidden = model.draft_hidden(leaf, batch.input_ids, positions, anchors[sl], starts[sl])
+        chunk_soft = None if soft is None else (soft[0][sl], soft[1][sl])
+        loss_sum, m = lm_head_loss(hidden.to(head.dtype), head, labels[sl], weights[sl], chunk_soft, rows=loss_rows)
+        (loss_sum * norm).backward()
+        parts.append(m)
+    ctx.backward(leaf.grad)
+    return merge_metrics(parts)
