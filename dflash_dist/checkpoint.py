@@ -1,79 +1,250 @@
-"""Atomic training-state checkpoints, named by role, and the choice of where to resume.
+"""Checksummed, atomic training-state checkpoints, and the choice of where to resume.
 
 Layout: RUN_DIR/checkpoints/step-00000123/{drafter.pt, meta.json}. drafter.pt holds the drafter's
 weights, optimizer, scheduler, RNG and counters (only drafters have state: targets are frozen); meta.json
-holds the cursor, the resolved config and the number of drafters, small enough for every rank (targets
-included) to read before the run starts. A checkpoint is written under a temporary name and renamed
-into place, so a crash during a save leaves the previous checkpoints intact and no partial one that
-`resume=auto` could pick.
+holds the cursor, the layout, the resolved config and the sha256 and size of every other file, small
+enough for every rank (targets included) to read before the run starts.
+
+Nothing half-written is ever picked: a save writes `step-N.tmp/` and renames it into place; a pruned
+checkpoint is first renamed to `step-N.trash/` and only then deleted; `cleanup_leftovers` removes both
+kinds (and directories left partial by older versions) on the next start. A checkpoint whose files do
+not match their checksums (a torn copy, a bad disk) is skipped by `resume=auto` for the newest one
+that does, and refused when named explicitly.
 """
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from dflash_dist.config import Config, ConfigError, to_dict
-from dflash_dist.fsutil import fsync_dir
+from dflash_dist.fsutil import fsync_dir, json_safe
 
 log = logging.getLogger(__name__)
 
 CKPT_DIR = "checkpoints"
 STATE_FILE = "drafter.pt"
 META_FILE = "meta.json"
+TMP, TRASH = ".tmp", ".trash"  # suffixes of a save in progress and of a prune in progress
+_NAME = re.compile(r"step-\d+")
 
-# Config sections/keys that change what is trained: a checkpoint that disagrees on any is refused.
+# Config sections/keys that change what is trained: a checkpoint that disagrees on any is refused...
 TRAINING_KEYS = ("model", "objective", "plan", "data", "optim", "train.seed", "train.epochs")
-NOT_TRAINING = ("model.target.dtype", "model.target.path")  # how the same weights are loaded
+# ... except these, which change only the plan of the epochs still to come: allowed at an epoch boundary.
+PLAN_KEYS = ("train.seed", "plan", "data", "objective.num_anchors")
+# How the same computation is loaded, split or scheduled, not what it computes.
+NOT_TRAINING = ("model.target.dtype", "model.target.path", "model.target.tensor_parallel",
+                "model.draft.checkpoint_layers", "objective.anchor_chunk", "objective.loss_rows", "data.cache_dir")
+LAYOUT_KEYS = ("num_drafters", "num_targets", "num_nodes", "ranks_per_node", "tensor_parallel")
+_LOW_SPACE = 64 << 20  # bytes free below which a failed write is reported as a full disk
 
 
 @dataclass(frozen=True)
 class Cursor:
     epoch: int  # the epoch to continue
-    step: int  # the next global step in it (batch step * num_drafters + drafter index)
+    batch: int  # global index, in that epoch's plan, of the first batch not yet trained (0 = epoch start)
+
+
+class CheckpointWriteError(OSError):
+    """A save failed (full disk, I/O error); the message says which and where. Nothing partial is left."""
 
 
 def checkpoint_path(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / CKPT_DIR / f"step-{step:08d}"
 
 
-def save_checkpoint(run_dir: Path, step: int, state: dict, meta: dict, keep_last: int = 0,
-                    _fail_after_state: bool = False) -> Path:
-    """Write atomically; then delete all but the newest `keep_last` (0 = keep all)."""
+def layout_meta(layout, tensor_parallel: int = 1) -> dict:
+    """What meta.json records of the topology (a `topology.Layout`): shown when a resume changes it."""
+    return {"num_drafters": layout.num_drafters, "num_targets": layout.num_targets, "num_nodes": layout.num_nodes,
+            "ranks_per_node": layout.local_world_size, "tensor_parallel": int(tensor_parallel)}
+
+
+# ------------------------------------------------------------------------------------------ writing
+
+def save_checkpoint(run_dir: Path, step: int, state: dict, meta: dict, keep_last: int = 0) -> Path:
+    """Write `state` and `meta` (plus the files' checksums) atomically as checkpoint `step`; then prune
+    all but the newest `keep_last` (0 = keep all). Raises CheckpointWriteError on a failed write, with
+    the previous checkpoints intact."""
     final = checkpoint_path(run_dir, step)
-    tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    torch.save(state, tmp / STATE_FILE)
-    if _fail_after_state:  # test hook: a crash between the two files
-        raise RuntimeError("simulated crash during checkpoint save")
-    (tmp / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
-    for f in (STATE_FILE, META_FILE):
-        with open(tmp / f, "rb") as fh:
-            os.fsync(fh.fileno())
+    tmp = final.with_name(final.name + TMP)
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        torch.save(state, tmp / STATE_FILE)
+        _fsync_file(tmp / STATE_FILE)
+        files = {STATE_FILE: _file_record(tmp / STATE_FILE)}
+        with open(tmp / META_FILE, "w") as f:  # written last: its checksums cover what is already on disk
+            f.write(json.dumps(json_safe(dict(meta, files=files)), indent=1, allow_nan=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as exc:  # torch reports a short write as a RuntimeError
+        message = _write_failure(final, exc)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(message) from exc
+    old = None
     if final.exists():  # the same step saved again (e.g. a stop right after a periodic save)
-        shutil.rmtree(final)
+        old = final.with_name(final.name + TRASH)
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
     os.replace(tmp, final)
     fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     log.info("saved checkpoint %s", final)
     if keep_last > 0:
-        for old in list_checkpoints(run_dir)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        for victim in list_checkpoints(run_dir)[:-keep_last]:
+            _remove(victim)
     return final
 
 
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
+def _file_record(path: Path) -> dict:
+    return {"sha256": _sha256(path), "bytes": path.stat().st_size}
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _write_failure(final: Path, exc: BaseException) -> str:
+    """The reason a save failed, in words: a full disk (ENOSPC / quota, or almost no space left, which
+    is what torch's bare "unexpected pos" error means in practice) or another write error."""
+    codes, e = set(), exc
+    for _ in range(8):  # the errno may sit on a cause (torch wraps the OSError of its writer)
+        if e is None:
+            break
+        codes.add(getattr(e, "errno", None))
+        e = e.__cause__ or e.__context__
+    try:
+        free = shutil.disk_usage(next(p for p in (final.parent, *final.parents) if p.exists())).free
+    except (OSError, StopIteration):
+        free = -1
+    where = f"{free / 2**20:.0f} MiB free there" if free >= 0 else "free space unknown"
+    if codes & {errno.ENOSPC, errno.EDQUOT} or 0 <= free < _LOW_SPACE:
+        reason = f"the disk is full ({where}; {type(exc).__name__}: {exc})"
+    else:
+        reason = f"the write failed ({type(exc).__name__}: {exc}; {where})"
+    return (f"cannot save checkpoint {final}: {reason}. The previous checkpoints are intact and no partial "
+            "one was left; free space or move train.run_dir, then resume")
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint so that a crash at any point leaves either the complete checkpoint or a
+    `.trash` name that nothing resumes from and the next start removes."""
+    trash = path.with_name(path.name + TRASH)
+    try:
+        shutil.rmtree(trash, ignore_errors=True)
+        os.replace(path, trash)
+        shutil.rmtree(trash)
+    except OSError as exc:  # a prune that fails costs disk space, not the run
+        log.warning("could not delete old checkpoint %s: %s", path, exc)
+
+
+def cleanup_leftovers(run_dir: Path) -> list[str]:
+    """Remove what interrupted saves and prunes left behind (`.tmp` and `.trash` checkpoints, a
+    `step-N/` without its files, temporary files of atomic writes in the run directory). Rank 0 calls
+    it at start, holding the run lock, so no save of this run can be in progress. Returns the paths
+    removed (the caller logs them)."""
+    run_dir, removed = Path(run_dir), []
+    root = run_dir / CKPT_DIR
+    candidates = [p for p in root.iterdir()] if root.is_dir() else []
+    for p in sorted(candidates):
+        partial = _NAME.fullmatch(p.name) and p.is_dir() and not _is_complete(p)
+        if partial or p.name.endswith((TMP, TRASH)):
+            _delete(p)
+            removed.append(str(p))
+    if run_dir.is_dir():
+        for p in sorted(run_dir.iterdir()):
+            if p.is_file() and p.name.startswith(".") and (".tmp-" in p.name or p.name.startswith(".write-test-")):
+                _delete(p)
+                removed.append(str(p))
+    return removed
+
+
+def _delete(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        p.unlink(missing_ok=True)
+
+
+# ------------------------------------------------------------------------------------------ reading
+
+def _is_complete(path: Path) -> bool:
+    return (path / STATE_FILE).is_file() and (path / META_FILE).is_file()
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (temporary names and partial directories are ignored)."""
+    """Complete checkpoints (both files present), oldest first; `.tmp`, `.trash` and partial
+    directories are ignored. Their checksums are verified by `find_resumable` / `checkpoint_problem`."""
     root = Path(run_dir) / CKPT_DIR
     if not root.is_dir():
         return []
-    return sorted(p for p in root.glob("step-*")
-                  if not p.name.endswith(".tmp") and (p / STATE_FILE).is_file() and (p / META_FILE).is_file())
+    return sorted(p for p in root.iterdir() if _NAME.fullmatch(p.name) and _is_complete(p))
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why checkpoint `path` cannot be resumed (naming the file), or None when every file it lists
+    has the size and sha256 its meta.json records."""
+    path = Path(path)
+    meta_file = path / META_FILE
+    if not meta_file.is_file():
+        return f"{meta_file} is missing"
+    try:
+        meta = json.loads(meta_file.read_text())
+        files = meta["files"]
+        records = [(name, int(rec["bytes"]), str(rec["sha256"])) for name, rec in files.items()]
+        meta_cursor(meta), meta["config"]  # present and well-formed
+    except (OSError, ValueError) as exc:
+        return f"{meta_file} is unreadable: {exc}"
+    except (KeyError, TypeError, AttributeError) as exc:
+        return f"{meta_file} lacks {exc} (written by an older version, or damaged)"
+    if STATE_FILE not in files:
+        return f"{meta_file} lists no checksum for {STATE_FILE}"
+    for name, size, digest in records:
+        f = path / name
+        if not f.is_file():
+            return f"{f} is missing"
+        if f.stat().st_size != size:
+            return f"{f} has {f.stat().st_size} bytes, {META_FILE} recorded {size} (truncated or overwritten)"
+        if _sha256(f) != digest:
+            return f"{f} does not match its sha256 in {META_FILE} (the file is damaged)"
+    return None
+
+
+def find_resumable(run_dir: Path) -> Path | None:
+    """The newest checkpoint of `run_dir` whose files match their checksums; each newer one that does
+    not is logged with the reason and skipped. None when there is no checkpoint at all; a ConfigError
+    when there are some and none is valid (starting over would silently throw the run away)."""
+    found = list_checkpoints(run_dir)
+    problems = []
+    for path in reversed(found):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            if problems:
+                log.warning("resuming from %s, the newest valid checkpoint", path)
+            return path
+        log.warning("skipping checkpoint %s: %s", path, problem)
+        problems.append(problem)
+    if problems:
+        raise ConfigError(f"none of the {len(found)} checkpoints in {Path(run_dir) / CKPT_DIR} can be resumed:\n  "
+                          + "\n  ".join(problems) + "\nrestore or remove them, name one with train.resume=PATH, "
+                          "or start over with train.resume=none")
+    return None
 
 
 def read_meta(path: Path) -> dict:
@@ -84,12 +255,25 @@ def read_meta(path: Path) -> dict:
         raise ConfigError(f"checkpoint {path}: cannot read {META_FILE}: {exc}") from exc
 
 
+def meta_cursor(meta: dict) -> Cursor:
+    c = meta["cursor"]
+    return Cursor(int(c["epoch"]), int(c["batch"]))
+
+
+def completed(meta: dict, cfg: Config) -> bool:
+    """The checkpoint was cut after the last epoch: only the end-of-run work (evaluation, export,
+    summary) may be left to do."""
+    return meta_cursor(meta).epoch >= cfg.train.epochs
+
+
 def load_state(path: Path) -> dict:
     f = Path(path) / STATE_FILE
     if not f.is_file():
         raise ConfigError(f"checkpoint {path}: {STATE_FILE} is missing")
     return torch.load(f, map_location="cpu", weights_only=False)
 
+
+# ------------------------------------------------------------------------------- resume decisions
 
 def _flatten(d: dict, prefix: str = "") -> dict:
     out = {}
@@ -102,15 +286,23 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def config_differences(saved: dict, current: dict) -> list[str]:
+def _under(key: str, prefixes: tuple[str, ...]) -> bool:
+    return any(key == t or key.startswith(t + ".") for t in prefixes)
+
+
+def _differences(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
     a, b = _flatten(saved), _flatten(current)
-    diffs = []
-    for key in sorted(set(a) | set(b)):
-        if not any(key == t or key.startswith(t + ".") for t in TRAINING_KEYS) or key in NOT_TRAINING:
-            continue
-        if a.get(key) != b.get(key):
-            diffs.append(f"{key}: checkpoint {a.get(key)!r}, now {b.get(key)!r}")
-    return diffs
+    return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
+            if _under(k, TRAINING_KEYS) and not _under(k, NOT_TRAINING) and a.get(k) != b.get(k)]
+
+
+def config_differences(saved: dict, current: dict) -> list[str]:
+    """Every training key that differs, as "key: checkpoint X, now Y"."""
+    return [f"{k}: checkpoint {x!r}, now {y!r}" for k, x, y in _differences(saved, current)]
+
+
+def _format_differences(diffs: list[tuple[str, Any, Any]]) -> str:
+    return "\n  ".join(f"{k}: checkpoint {x!r}, now {y!r}" for k, x, y in diffs)
 
 
 def check_plan(meta: dict, path: Path, digests: list[str]) -> None:
@@ -118,38 +310,70 @@ def check_plan(meta: dict, path: Path, digests: list[str]) -> None:
     the one it was cut from, or the rest of the epoch would repeat some samples and skip others. Same
     config, another numpy or torch (whose shuffle streams carry no cross-version guarantee) could differ."""
     c, saved = meta["cursor"], meta.get("plan_digests")
-    epoch = int(c["epoch"])
-    if not saved or int(c["step"]) == 0 or epoch >= len(saved):
+    epoch, batch = int(c["epoch"]), int(c["batch"])
+    if not saved or batch == 0 or epoch >= len(saved):
         return  # at an epoch boundary nothing of the old plan is reused (or a checkpoint from before this check)
     if saved[epoch] != digests[epoch]:
-        raise ConfigError(f"checkpoint {path} was cut at epoch {epoch + 1} step {c['step']} of a plan with "
+        raise ConfigError(f"checkpoint {path} was cut at epoch {epoch + 1} batch {batch} of a plan with "
                           f"fingerprint {saved[epoch]}, but the same config now builds {digests[epoch]} (another "
                           "numpy or torch version?); resuming mid-epoch would repeat or skip samples. Resume "
-                          "with the original environment, or from a checkpoint at an epoch boundary")
+                          "with the original environment, from a checkpoint at an epoch boundary, or start "
+                          "over with train.resume=none")
 
 
-def resolve_resume(cfg: Config, num_drafters: int) -> tuple[Path | None, Cursor]:
+def check_resumable(meta: dict, cfg: Config, path: Path, *, report: bool = True) -> Cursor:
+    """Refuse (ConfigError) a checkpoint trained with another setup; allow a changed plan at an epoch
+    boundary and any change of layout, logging what changed. Returns the cursor."""
+    cursor = meta_cursor(meta)
+    diffs = _differences(meta["config"], to_dict(cfg))
+    other = [d for d in diffs if not _under(d[0], PLAN_KEYS)]
+    plan = [d for d in diffs if _under(d[0], PLAN_KEYS)]
+    if other:
+        raise ConfigError(f"checkpoint {path} was trained with another setup; refusing to resume:\n  "
+                          f"{_format_differences(other)}\nresume with the original values, or start over with "
+                          "train.resume=none")
+    if plan and cursor.batch != 0:
+        raise ConfigError(f"checkpoint {path} was cut in the middle of epoch {cursor.epoch + 1} (batch "
+                          f"{cursor.batch}); these settings change the plan, which may change only at an epoch "
+                          f"boundary:\n  {_format_differences(plan)}\nresume with the original values, or start "
+                          "over with train.resume=none")
+    if plan and report:
+        log.warning("resuming %s at the start of epoch %d with settings that change the plan (allowed at an "
+                    "epoch boundary: epochs from %d on follow the new plan):\n  %s", path, cursor.epoch + 1,
+                    cursor.epoch + 1, _format_differences(plan))
+    return cursor
+
+
+def layout_changes(saved: dict, current: dict) -> list[str]:
+    return [f"{k} {saved.get(k)} -> {current.get(k)}" for k in LAYOUT_KEYS
+            if k in saved and saved.get(k) != current.get(k)]
+
+
+def resolve_resume(cfg: Config, layout, *, report: bool = True) -> tuple[Path | None, Cursor]:
     """Which checkpoint to continue from (train.resume = auto | none | PATH), validated against the
-    current config. Every rank calls this before training, on the same (shared) run directory."""
+    current config and `layout` (a `topology.Layout`). Every rank calls this before training, on the
+    same (shared) run directory; `report=False` keeps the warnings to one rank."""
     mode = cfg.train.resume
     if mode == "none":
         return None, Cursor(0, 0)
     if mode == "auto":
-        found = list_checkpoints(Path(cfg.train.run_dir))
-        if not found:
+        path = find_resumable(Path(cfg.train.run_dir))
+        if path is None:
             return None, Cursor(0, 0)
-        path = found[-1]
     else:
         path = Path(mode)
-        if not (path / STATE_FILE).is_file() or not (path / META_FILE).is_file():
-            raise ConfigError(f"config key 'train.resume': {mode} is not a complete checkpoint "
-                              f"(needs {STATE_FILE} and {META_FILE})")
+        problem = checkpoint_problem(path)
+        if problem is not None:
+            raise ConfigError(f"config key 'train.resume': checkpoint {path} cannot be resumed: {problem}. Name "
+                              "another checkpoint, use train.resume=auto for the newest valid one, or start "
+                              "over with train.resume=none")
     meta = read_meta(path)
-    diffs = config_differences(meta["config"], to_dict(cfg))
-    if meta.get("num_drafters") != num_drafters:
-        diffs.append(f"number of drafters: checkpoint {meta.get('num_drafters')}, now {num_drafters}")
-    if diffs:
-        raise ConfigError(f"checkpoint {path} was trained with another setup; refusing to resume:\n  "
-                          + "\n  ".join(diffs))
-    c = meta["cursor"]
-    return path, Cursor(int(c["epoch"]), int(c["step"]))
+    cursor = check_resumable(meta, cfg, path, report=report)
+    now = layout_meta(layout, getattr(cfg.model.target, "tensor_parallel", 1))
+    changed = layout_changes(meta.get("layout", {}), now)
+    if changed and report:
+        log.warning("resuming %s on another layout (%s): the run continues exactly in data order (the same plan "
+                    "from batch %d of epoch %d, the same anchors, the restored optimizer) but not bitwise, since "
+                    "gradients are now reduced over another set of ranks", path, ", ".join(changed), cursor.batch,
+                    cursor.epoch + 1)
+    return path, cursor

@@ -24,14 +24,20 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 EXIT_RESUME = 75  # EX_TEMPFAIL: "stopped on request, state saved, requeue and resume me"
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
+# SIGINT (Ctrl-C, which torchrun forwards to its workers) asks for the same clean stop as a scheduler's
+# SIGTERM; a second SIGINT on the same rank aborts at once, without saving.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)
 
 
 class StopFlag:
+    """Set by a stop signal on this rank. `requested` may also be read as "this rank asked"; whether
+    the run stops is decided by StopAgreement, so the rank that got the signal may be any rank."""
+
     def __init__(self) -> None:
         self.requested = False
-        self.signal_name = ""
-        self.requested_at = 0.0
+        self.signal_name = ""  # the first stop signal received here ("" if none)
+        self.requested_at = 0.0  # time.time() when it arrived here
+        self.interrupts = 0  # SIGINTs received here
 
     def install(self) -> "StopFlag":
         for sig in STOP_SIGNALS:
@@ -39,11 +45,29 @@ class StopFlag:
         return self
 
     def _handler(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            self.interrupts += 1
+            if self.interrupts > 1:
+                # Restore the default first, so a third Ctrl-C is never swallowed by this handler.
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                raise KeyboardInterrupt("second SIGINT: aborting at once, without saving")
         if not self.requested:
             self.requested = True
             self.requested_at = time.time()
-            self.signal_name = signal.Signals(signum).name
-            log.warning("received %s: stopping at the next agreed step boundary", self.signal_name)
+            self.signal_name = name
+            log.warning("received %s: stopping at the next agreed step boundary and saving%s", name,
+                        " (Ctrl-C again to abort without saving)" if signum == signal.SIGINT else "")
+        else:
+            log.warning("received %s: a stop is already requested (%s)", name, self.describe())
+
+    def describe(self, now: float | None = None) -> str:
+        """What made this rank stop, for its log line: e.g. "SIGTERM received here 3.1 s ago", or
+        "stop requested by another rank" when the agreement carried another rank's signal."""
+        if not self.signal_name:
+            return "stop requested by another rank"
+        now = time.time() if now is None else now
+        return f"{self.signal_name} received here {now - self.requested_at:.1f} s ago"
 
 
 class StopAgreement:

@@ -136,3 +136,21 @@ def test_fill_varies_the_batch_count_on_small_corpora():
     counts = [len(build_plan(lengths, lengths // 2, seed=0, epoch=e, token_budget=1024, max_seqs=64))
               for e in range(6)]
     assert len(set(counts)) > 1, counts
+
+
+
+def test_skip_reasons_take_the_first_that_applies():
+    lengths = np.array([0, 30, 12, 9000, 9000, 40])
+    sup = np.array([0, 0, 6, 5000, 5000, 20])
+    anchorable = np.array([0, 0, 0, 0, 4000, 20])  # sample 2: 12 tokens, too short for a block
+    p = build_plan(lengths, sup, anchorable=anchorable, seed=0, epoch=0, token_budget=4096, max_seqs=16)
+    assert p.skipped == {"empty": 1, "no_supervised": 1, "no_anchor": 2, "over_budget": 1}
+    assert p.indices.tolist() == [5]
+    assert build_plan(lengths, sup, seed=0, epoch=0, token_budget=4096, max_seqs=16).skipped["no_anchor"] == 0
+
+
+def test_the_anchor_cap_counts_anchor_positions_not_supervised_tokens():
+    lengths, sup, anchorable = np.array([40, 40]), np.array([8, 8]), np.array([4, 4])
+    kw = dict(seed=0, epoch=0, token_budget=4096, max_seqs=16, max_anchors=10, num_anchors=32)
+    assert len(build_plan(lengths, sup, anchorable=anchorable, **kw)) == 1  # 4 + 4 anchors <= 10
+    assert len(build_plan(lengths, sup, **kw)) == 2  # without positions, 8 + 8 supervised tokens bound them
