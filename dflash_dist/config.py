@@ -233,7 +233,7 @@ def _get(cfg: Config, dotted: str) -> Any:
 
 
 def validate(cfg: Config) -> None:
-    """Checks that need no process group and no model weights (those come in `resolve_model`)."""
+    """Checks that need no process group and no model weights (those come in `models.build.draft_spec`)."""
     for key, choices in _CHOICES.items():
         if _get(cfg, key) not in choices:
             raise ConfigError(f"config key '{key}': {_get(cfg, key)!r} is not one of {choices}")

@@ -26,6 +26,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from dflash_dist.data.regenerate import split_samples
+from dflash_dist.decode import recompute_greedy
+
 log = logging.getLogger(__name__)
 
 
@@ -41,14 +44,10 @@ def _run_target(target, ids: Sequence[int], layer_ids: Sequence[int]):
     return target.capture(t, cu, torch.arange(len(t), device=dev), list(layer_ids), need_logits=True)
 
 
-@torch.no_grad()
 def greedy_generate(target, prompt_ids: Sequence[int], n: int) -> list[int]:
-    """The target's own greedy continuation, by full recompute (the reference)."""
-    seq = [int(t) for t in prompt_ids]
-    for _ in range(n):
-        _, logits = _run_target(target, seq, [0])
-        seq.append(int(logits[-1].argmax()))
-    return seq[len(prompt_ids):]
+    """The target's own greedy continuation of one prompt, by full recompute (the reference)."""
+    prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=_device(target))
+    return recompute_greedy(target, prompt, n)[0].tolist()
 
 
 @torch.no_grad()
@@ -123,12 +122,6 @@ def acceptance_length(target, drafter, prompts: Sequence[Sequence[int]], max_new
             "tau_per_prompt": per_prompt, "block_size": drafter.spec.block_size}
 
 
-def prompt_part(tokens: np.ndarray, loss_mask: np.ndarray) -> list[int]:
-    """The unsupervised prefix of a sample (everything before its first supervised token)."""
-    sup = np.flatnonzero(loss_mask)
-    return tokens[:sup[0] if len(sup) else len(tokens)].tolist()
-
-
 def heldout_prompts(cfg, n: int) -> list[list[int]]:
     """Prompts the run never trained on, from the synthetic corpus's own distribution. The successor
     table depends on the seed alone, while a larger draw shifts the random stream, so the tail of a
@@ -138,10 +131,15 @@ def heldout_prompts(cfg, n: int) -> list[list[int]]:
     syn = cfg.data.synthetic
     vocab = cfg.model.target.vocab_size
     train_ds = synthetic_dataset(syn, vocab)
-    seen = {tuple(prompt_part(*train_ds.sample(i))) for i in range(len(train_ds))}
+    seen = set(prompts_of(train_ds, range(len(train_ds))))
     ds = synthetic_dataset(dataclasses.replace(syn, num_samples=syn.num_samples + n), vocab)
-    tail = [prompt_part(*ds.sample(i)) for i in range(len(ds) - n, len(ds))]
-    return [p for p in tail if p and tuple(p) not in seen]
+    return [list(p) for p in prompts_of(ds, range(len(ds) - n, len(ds))) if p and p not in seen]
+
+
+def prompts_of(ds, indices) -> list[tuple[int, ...]]:
+    """The prompts (unsupervised prefixes) of the given samples."""
+    plen, _ = split_samples(ds)
+    return [tuple(ds.sample(i)[0][:plen[i]].tolist()) for i in indices]
 
 
 def read_prompts(path: str | Path) -> list[list[int]]:

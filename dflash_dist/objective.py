@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dflash_dist.seeding import seeded_generator
+
 
 def anchor_generator(seed: int, epoch: int, batch: int) -> torch.Generator:
-    g = torch.Generator()
-    g.manual_seed((((seed * 1_000_003) + epoch) * 1_000_003 + batch) % (2**63 - 1))
-    return g
+    return seeded_generator(seed, epoch, batch)
 
 
 def draw_anchors(loss_mask, cu_seqlens, block_size: int, num_anchors: int, gen: torch.Generator):

@@ -5,8 +5,7 @@ a cap on sequences and optionally a cap on anchors. So the batch count changes f
 nothing downstream may assume a constant count. Two packing rules (`plan.packing`):
 
 - `next_fit`: the shuffled stream is cut into batches in order; a batch closes when its next sample
-  does not fit. It leaves about E[L^2] / (2 E[L]) tokens empty per batch: 6.4% of a 49,152 budget on a
-  chat mix with a long tail (docs/benchmarks.md).
+  does not fit. It leaves about E[L^2] / (2 E[L]) tokens empty per batch.
 - `fill` (default): the same, but the gaps next-fit leaves are filled with short samples. The shuffled
   stream is split by size into long and short samples, each keeping its shuffled order; the long ones
   are packed by next-fit; the short ones, laid end to end along those batches' gaps laid end to end,
@@ -14,24 +13,24 @@ nothing downstream may assume a constant count. Two packing rules (`plan.packing
   are packed by next-fit; then the batch order is shuffled, so that short-only batches do not gather
   at the epoch's end. The split (`_short_max`) gives the short side about the tokens the gaps need:
   with more, short-only batches hit the sequence cap before the budget; with fewer, late gaps stay
-  empty. 98.5% fill on the same mix.
+  empty. Fill and build times at 902K samples: docs/benchmarks.md (plan).
 
 Both are vectorised: prefix sums and one `searchsorted` give the end of the batch that would start at
 every position, and only the walk from batch start to batch start is a Python loop (one list step per
-batch). Building a 902,000-sample epoch takes 0.10-0.20 s on a 2-core CPU.
+batch).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import hashlib
 import logging
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from dflash_dist.config import ConfigError
+from dflash_dist.seeding import seeded_generator
 
 SKIP_REASONS = ("empty", "no_supervised", "no_anchor", "over_budget")  # in order of precedence
 PACKINGS = ("fill", "next_fit")
@@ -139,7 +138,7 @@ def check_trainable(epoch_counts: list[int], skipped: dict, num_samples: int) ->
 
 def epoch_generator(seed: int, epoch: int) -> torch.Generator:
     """The epoch's random stream: (seed, epoch) hashed to one 64-bit seed, so no two share a stream."""
-    return torch.Generator().manual_seed(int(np.random.SeedSequence([seed, epoch]).generate_state(1, np.uint64)[0]))
+    return seeded_generator(seed, epoch)
 
 
 def permutation(n: int, gen: torch.Generator) -> np.ndarray:

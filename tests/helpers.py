@@ -22,10 +22,9 @@ TINY = [
 
 
 def torchrun(nproc: int, overrides: list[str], run_dir: Path, timeout: float = 150, env: dict | None = None):
-    cmd = TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", "-m", "dflash_dist.train",
-                      *TINY, f"train.run_dir={run_dir}", *overrides]
     e = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e)
+    return subprocess.run(torchrun_cmd(nproc, overrides, run_dir), capture_output=True, text=True, timeout=timeout,
+                          env=e)
 
 
 def epoch_lines(log: str) -> dict[int, list[tuple[int, str]]]:
@@ -45,8 +44,9 @@ def torchrun_cmd(nproc: int, overrides: list[str], run_dir: Path) -> list[str]:
                        *TINY, f"train.run_dir={run_dir}", *overrides]
 
 
-def start_torchrun(nproc: int, overrides: list[str], run_dir: Path, log_path: Path) -> subprocess.Popen:
-    e = dict(os.environ, OMP_NUM_THREADS="1")
+def start_torchrun(nproc: int, overrides: list[str], run_dir: Path, log_path: Path,
+                   env: dict | None = None) -> subprocess.Popen:
+    e = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     f = open(log_path, "w")
     return subprocess.Popen(torchrun_cmd(nproc, overrides, run_dir), stdout=f, stderr=subprocess.STDOUT, env=e)
 

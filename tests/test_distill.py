@@ -211,6 +211,7 @@ def test_packet_with_target_labels_round_trips():
 
 # -- the real entry point ---------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("labels", ["target_argmax", "target_soft"])
 def test_three_ranks_train_on_target_labels(tmp_path, labels):
     res = torchrun(3, [f"objective.labels={labels}", "objective.soft_top_k=8"], tmp_path)
@@ -223,6 +224,7 @@ def test_three_ranks_train_on_target_labels(tmp_path, labels):
     assert math.isfinite(summary["final_loss"]) and summary["samples"] == 3 * 160
 
 
+@pytest.mark.slow
 def test_colocated_rank_trains_on_soft_labels(tmp_path):
     res = torchrun(1, ["roles.mode=colocated", "train.epochs=2", "objective.labels=target_soft"], tmp_path)
     log = res.stdout + res.stderr

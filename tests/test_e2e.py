@@ -6,6 +6,8 @@ import pytest
 
 from helpers import epoch_lines, metrics, torchrun
 
+pytestmark = pytest.mark.slow  # whole runs under torchrun: `pytest -m "not slow"` skips them
+
 
 def check_run(res, run_dir, nproc, drafters, samples=160):
     log = res.stdout + res.stderr

@@ -4,12 +4,13 @@ from __future__ import annotations
 import json
 
 import pytest
+import numpy as np
 import torch
 from torch import nn
 
 from dflash_dist.config import load_config
 from dflash_dist.data.synthetic import synthetic_dataset
-from dflash_dist.evaluate import (acceptance_length, greedy_generate, heldout_prompts, main, prompt_part,
+from dflash_dist.evaluate import (acceptance_length, greedy_generate, heldout_prompts, main,
                                   read_prompts, speculative_generate)
 from dflash_dist.export import export_drafter
 from dflash_dist.models.build import build_drafter, build_target, draft_spec
@@ -89,7 +90,10 @@ def test_heldout_prompts_are_new_and_from_the_corpus_rule():
     cfg = load_config(overrides=["data.synthetic.num_samples=200"])
     held = heldout_prompts(cfg, 20)
     train = synthetic_dataset(cfg.data.synthetic, cfg.model.target.vocab_size)
-    seen = {tuple(prompt_part(*train.sample(i))) for i in range(len(train))}
+    def prompt(i):  # the unsupervised prefix, up to the first supervised token
+        tokens, mask = train.sample(i)
+        return tuple(tokens[:int(np.flatnonzero(mask)[0])].tolist())
+    seen = {prompt(i) for i in range(len(train))}
     assert 15 <= len(held) <= 20 and not any(tuple(p) in seen for p in held)
     assert all(0 <= t < cfg.model.target.vocab_size - 1 for p in held for t in p)
 

@@ -3,9 +3,13 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from helpers import final_digest, torchrun
 
 import transformers  # the `hf` extra; `dev` (what the tests install) includes it
+
+pytestmark = pytest.mark.slow  # whole runs under torchrun: `pytest -m "not slow"` skips them
 
 
 def test_hf_target_trains_exports_and_evaluates(tmp_path):

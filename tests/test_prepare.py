@@ -203,6 +203,7 @@ def test_cli_with_workers_matches_in_process(tok_dir, tmp_path):
     assert again.returncode == 1 and "already exists" in again.stderr
 
 
+@pytest.mark.slow
 def test_prepared_dataset_trains_under_torchrun(tok_dir, tmp_path):
     """Issue 4's end: chat JSONL -> prepare -> `data.path=DIR` under torchrun with 3 ranks (2 targets, 1 drafter)."""
     from helpers import torchrun

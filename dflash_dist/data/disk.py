@@ -24,7 +24,6 @@ import os
 import shutil
 import uuid
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable
 
@@ -53,12 +52,6 @@ class DiskDataset(TokenDataset):
     """A TokenDataset over memory-mapped files, with the meta.json it was opened from."""
     meta: dict | None = None
     path: str = ""
-
-    @cached_property
-    def num_supervised(self) -> np.ndarray:
-        # The base class builds a per-token int64 prefix sum (8 bytes per token: 8 GB at 1B tokens);
-        # counting chunk by chunk keeps memory at O(samples).
-        return _supervised_per_sample(self.loss_mask, self.offsets)
 
 
 # ----------------------------------------------------------------------------------------- writing
@@ -227,21 +220,6 @@ def _check_values(path: Path, name: str, arr: np.ndarray, limit: int, offsets: n
             pos = a + int(np.argmax(chunk >= limit))
             raise DatasetError(f"{path / name}: {what} {int(arr[pos])} at token {pos} "
                                f"(sample {_sample_of(offsets, pos)}) is >= {limit}")
-
-
-def _supervised_per_sample(loss_mask: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """Supervised tokens per sample, from a running count at every sample boundary, chunk by chunk."""
-    at = np.zeros(len(offsets), dtype=np.int64)  # supervised tokens before offsets[i]
-    running, n = 0, len(loss_mask)
-    for a in range(0, n, CHUNK):
-        b = min(a + CHUNK, n)
-        c = np.zeros(b - a + 1, dtype=np.int32)  # a chunk fits int32; half the memory traffic of int64
-        np.cumsum(loss_mask[a:b], out=c[1:])
-        lo, hi = np.searchsorted(offsets, [a, b], side="left")  # boundaries inside [a, b)
-        at[lo:hi] = c[offsets[lo:hi] - a].astype(np.int64) + running
-        running += int(c[-1])
-    at[np.searchsorted(offsets, n, side="left"):] = running  # boundaries at the very end
-    return np.diff(at)
 
 
 def open_dataset(path: str | os.PathLike) -> DiskDataset:

@@ -5,10 +5,7 @@ would say, not on the corpus text: the prompt (the unsupervised prefix) is kept,
 first supervised token on) is regenerated greedily, with the same length (or cut at `max_new_tokens`,
 or after an end-of-sequence token), and is wholly supervised.
 
-Generation is batched without padding. The built-in target decodes a whole batch of ragged prompts
-at once with a KV cache (each row at its own position). Other targets get one batch per prompt length,
-so every row shares its positions and no attention mask is needed: a transformers target decodes with
-its own cache (`HFTarget.greedy`); anything else recomputes the sequence at every step through `capture`.
+Generation is batched without padding (`dflash_dist.decode.greedy`).
 """
 from __future__ import annotations
 
@@ -24,120 +21,11 @@ from typing import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from dflash_dist.data.dataset import TokenDataset
-from dflash_dist.models.qwen3 import TinyQwen3, apply_rope, rope_cos_sin
+from dflash_dist.decode import greedy
 
 log = logging.getLogger(__name__)
-
-
-def _qkv(layer, x, cos, sin):
-    a = layer.self_attn
-    h = layer.input_layernorm(x)
-    q = apply_rope(a.q(h), cos, sin).transpose(1, 2)  # (b, heads, t, d)
-    return q, apply_rope(a.k(h), cos, sin).transpose(1, 2), a.v(h).transpose(1, 2)
-
-
-def _finish(layer, x, attn):
-    x = x + layer.self_attn.o_proj(attn.transpose(1, 2).flatten(-2))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
-
-
-@torch.no_grad()
-def tiny_greedy(model: TinyQwen3, prompts: list[torch.Tensor], counts: list[int]) -> list[torch.Tensor]:
-    """Greedy continuation of counts[r] tokens for every prompt (any lengths), decoding all rows at once
-    with a KV cache (the same pre-norm layer as DecoderLayer.forward, one new token at a time). Each row
-    writes its cache at its own position and masks the slots past it, so ragged prompts need no
-    padding; rows run sorted by count, so the rows still decoding are always a prefix of the batch."""
-    dev, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
-    order = sorted((r for r in range(len(prompts)) if counts[r] > 0), key=lambda r: -counts[r])
-    result = [torch.zeros(0, dtype=torch.long, device=dev) for _ in prompts]
-    if not order:
-        return result
-    b, n = len(order), counts[order[0]]
-    live = [sum(counts[r] > s for r in order) for s in range(n)]  # rows still decoding at step s
-    lens = torch.tensor([len(prompts[r]) for r in order], device=dev)
-    total = int(lens.max()) + n
-    cos_all, sin_all = rope_cos_sin(torch.arange(total, device=dev), model.head_dim, model.rope_theta, dtype)
-    g, rep, d = model.num_kv_heads, model.num_heads // model.num_kv_heads, model.head_dim
-    # Zeros, not empty: masked slots get probability 0, but 0 * (garbage NaN) in p @ V would be NaN.
-    K = [torch.zeros(b, g, total, d, dtype=dtype, device=dev) for _ in model.layers]
-    V = [torch.zeros(b, g, total, d, dtype=dtype, device=dev) for _ in model.layers]
-    tok = torch.empty(b, dtype=torch.long, device=dev)
-    by_len: dict[int, list[int]] = defaultdict(list)
-    for i, r in enumerate(order):
-        by_len[len(prompts[r])].append(i)
-    for L, rows in by_len.items():  # prefill: causal, one batch per prompt length
-        idx = torch.tensor(rows, device=dev)
-        x = model.embed_tokens(torch.stack([prompts[order[i]] for i in rows]).to(dev))
-        for layer, k_cache, v_cache in zip(model.layers, K, V):
-            q, k, v = _qkv(layer, x, cos_all[:L], sin_all[:L])
-            k_cache[idx, :, :L], v_cache[idx, :, :L] = k, v
-            x = _finish(layer, x, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=rep > 1))
-        tok[idx] = model.lm_head(model.norm(x[:, -1])).argmax(-1)
-    out = torch.empty(b, n, dtype=torch.long, device=dev)
-    out[:, 0] = tok
-    # Cache slot t of row i, kv head j is flat index (i * g + j) * total + t.
-    base = (torch.arange(b * g, device=dev) * total).view(b, g)
-    pos = lens.clone()
-    for s in range(1, n):  # row i's new token sits at pos[i] and sees cache slots [0, pos[i]]
-        m = live[s]
-        tok, pos = tok[:m], pos[:m]
-        x = model.embed_tokens(tok)[:, None]
-        cos, sin = cos_all[pos][:, None], sin_all[pos][:, None]
-        width = int(pos.max()) + 1
-        hide = (torch.arange(width, device=dev)[None, :] > pos[:, None])[:, None, None, :]
-        slots = (base[:m] + pos[:, None]).flatten()
-        for layer, k_cache, v_cache in zip(model.layers, K, V):
-            q, k, v = _qkv(layer, x, cos, sin)
-            k_cache.view(-1, d).index_copy_(0, slots, k.reshape(-1, d))
-            v_cache.view(-1, d).index_copy_(0, slots, v.reshape(-1, d))
-            # One query per row: plain matmuls beat the fused CPU attention kernel here by far.
-            scores = q.view(m, g, rep, d) @ k_cache[:m, :, :width].transpose(-1, -2) * d ** -0.5
-            p = torch.softmax(scores.masked_fill(hide, float("-inf")).float(), dim=-1).to(dtype)
-            x = _finish(layer, x, (p @ v_cache[:m, :, :width]).view(m, model.num_heads, 1, d))
-        tok = model.lm_head(model.norm(x[:, -1])).argmax(-1)
-        out[:m, s] = tok
-        pos = pos + 1
-    for i, r in enumerate(order):
-        result[r] = out[i, :counts[r]]
-    return result
-
-
-@torch.no_grad()
-def recompute_greedy(target, prompts: torch.Tensor, n: int) -> torch.Tensor:
-    """Any target with `capture`: equal-length prompts (b, L), the whole batch recomputed, packed, at
-    every step (slow, exact)."""
-    b, L = prompts.shape
-    seqs = prompts
-    for t in range(n):
-        width = L + t
-        cu = torch.arange(b + 1, device=seqs.device) * width
-        pos = torch.arange(width, device=seqs.device).repeat(b)
-        _, logits = target.capture(seqs.reshape(-1), cu, pos, [0], need_logits=True)
-        seqs = torch.cat([seqs, logits[cu[1:] - 1].argmax(-1)[:, None]], dim=1)
-    return seqs[:, L:]
-
-
-def batched_greedy(target, prompts: list[torch.Tensor], counts: list[int]) -> list[torch.Tensor]:
-    """Greedy continuation of counts[r] tokens for every prompt (any lengths). The built-in target
-    decodes them all at once; other targets get one batch per prompt length (no padding, so no
-    attention mask), run to the batch's largest count."""
-    if isinstance(target, TinyQwen3):
-        return tiny_greedy(target, prompts, counts)
-    dev = target.embed_tokens.weight.device
-    result: list[torch.Tensor] = [torch.zeros(0, dtype=torch.long, device=dev) for _ in prompts]
-    by_len: dict[int, list[int]] = defaultdict(list)
-    for r, p in enumerate(prompts):
-        if counts[r] > 0:
-            by_len[len(p)].append(r)
-    for rows in by_len.values():
-        batch, n = torch.stack([prompts[r] for r in rows]).to(dev), max(counts[r] for r in rows)
-        gen = target.greedy(batch, n) if hasattr(target, "greedy") else recompute_greedy(target, batch, n)
-        for r, row in zip(rows, gen):
-            result[r] = row[:counts[r]]
-    return result
 
 
 @contextlib.contextmanager
@@ -191,7 +79,7 @@ def regenerate_responses(target, ds: TokenDataset, max_new_tokens: int | None = 
         for k in range(0, len(order), batch_size):
             chunk = order[k:k + batch_size]
             prompts = [torch.from_numpy(ds.sample(i)[0][:plen[i]].astype(np.int64)).to(dev) for i in chunk]
-            for i, r in zip(chunk, batched_greedy(target, prompts, [int(rlen[i]) for i in chunk])):
+            for i, r in zip(chunk, greedy(target, prompts, [int(rlen[i]) for i in chunk])):
                 r = r.cpu().numpy()
                 if eos_token_id is not None and (hit := np.flatnonzero(r == eos_token_id)).size:
                     r = r[:hit[0] + 1]
