@@ -9,8 +9,30 @@ transformers' own varlen kwargs) and runs `packed_causal_attention`, so the memo
 exactly as loaded.
 
 Supported: Qwen3, Llama, Mistral-style decoders (embed -> layers -> norm -> lm_head, rotary module on
-the base model). `load_hf_target` checks the packed path against the model's own forward on a short
+the base model), dense or mixture-of-experts (Qwen3-MoE: the router is per token, so packing changes
+nothing there). `load_hf_target` checks the packed path against the model's own forward on a short
 input and refuses an architecture it does not reproduce.
+
+Tensor parallelism (a target replica of several ranks, `tp_group`): the replica's ranks load the model
+sharded by an existing engine, never by code of ours:
+  "transformers"  transformers' own tensor-parallel loading (`DistributedConfig(tp_size=n)`: the model's
+                  `base_model_tp_plan`, shard-on-read: each rank reads only its slices from the
+                  safetensors). transformers builds its device mesh over the WHOLE world
+                  (`initialize_distributed_mesh` asks world size == tp size), but a replica is a subgroup
+                  of a world that also holds drafters and other replicas, so while `from_pretrained`
+                  runs, that one function is pointed at a mesh over the replica's own group. MoE experts
+                  are sharded along their intermediate size ("moe_tp_experts"), or with
+                  `expert_parallel` whole experts per rank (ep_size = tp_size, "all_reduce" dispatch: the
+                  replica's ranks share one batch, so no token exchange is needed).
+  "torch"         for configs without a TP plan: the whole model is loaded on every rank, then
+                  `torch.distributed.tensor.parallel.parallelize_module` shards each decoder layer
+                  (q/k/v/gate/up column-wise, o/down row-wise); embeddings, lm_head and MoE experts
+                  stay whole.
+"auto" picks "transformers" when the config has a plan. Either way attention runs on the rank's own
+heads (the packed path sees h / n query and h_kv / n key heads) and every layer's output is all-reduced,
+so `capture` returns the full, unsharded features on every rank of the replica; the leader sends them.
+Every rank of a replica must call `capture` (and the load-time self-check) with the same inputs in the
+same order: the sharded forward is collective.
 """
 from __future__ import annotations
 
@@ -20,6 +42,7 @@ import logging
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from dflash_dist.models.attention import packed_causal_attention
@@ -88,6 +111,8 @@ class HFTarget(nn.Module):
         self.intermediate_size = cfg.intermediate_size
         self.rope_theta = _rope_theta(cfg)
         self.rms_eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
+        self.num_experts = int(getattr(cfg, "num_experts", 0) or 0)  # 0: a dense model
+        self.tensor_parallel = 1  # ranks the weights are sharded over (set by load_hf_target)
         _register_packed_attention()
         for p in self.parameters():
             p.requires_grad_(False)
@@ -226,20 +251,140 @@ def default_mask_token_id(path: Path, vocab_size: int) -> int | None:
     return len(tok) if len(tok) < vocab_size else None
 
 
-def load_hf_target(path: str | Path, dtype: torch.dtype, device: torch.device, verify: bool = True) -> HFTarget:
-    """Loads a causal LM from a LOCAL directory (never downloads), frozen, in eval mode, on `device`."""
+ENGINES = ("auto", "transformers", "torch")
+
+# Column-wise (output features split: whole heads, whole MLP channels) then row-wise (input features split,
+# outputs all-reduced) per decoder layer: the Megatron pairing, as in transformers' own plans.
+_TORCH_TP_PLAN = {
+    "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise",
+}
+
+
+def _check_shardable(cfg, n: int, expert_parallel: bool) -> None:
+    """Refuse a split that would cut a head (or, with expert parallelism, leave ranks uneven experts)."""
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    if heads % n or kv % n:
+        raise ValueError(f"config key 'model.target.tensor_parallel': {n} does not divide the target's "
+                         f"{heads} attention heads and {kv} key/value heads")
+    experts = int(getattr(cfg, "num_experts", 0) or 0)
+    if expert_parallel and (not experts or experts % n):
+        raise ValueError(f"expert parallelism over {n} ranks needs a MoE target whose expert count divides by "
+                         f"{n} (this one has {experts})")
+
+
+def _replica_meshes(tp_group, device_type: str, expert_parallel: bool):
+    """transformers' dense (pp, dp_replicate, fsdp, tp) and expert (pp, dp_replicate, efsdp, ep) meshes, over
+    the replica's group only. Size-1 dimensions are backed by a group of this rank alone (created by it
+    alone: use_local_synchronization), so no rank outside the replica takes part."""
+    from torch.distributed.device_mesh import DeviceMesh
+    ranks = torch.tensor(dist.get_process_group_ranks(tp_group))
+    me = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    dense = DeviceMesh.from_group([me, me, me, tp_group], device_type, mesh=ranks.reshape(1, 1, 1, -1),
+                                  mesh_dim_names=("pp", "dp_replicate", "fsdp", "tp"))
+    ep_groups, ep_shape = ([me, tp_group], (1, -1)) if expert_parallel else ([tp_group, me], (-1, 1))
+    experts = DeviceMesh.from_group([me, me, *ep_groups], device_type, mesh=ranks.reshape(1, 1, *ep_shape),
+                                    mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
+    return dense, experts
+
+
+@contextlib.contextmanager
+def _transformers_mesh(dense, experts):
+    """Points transformers' mesh construction at the replica's meshes while from_pretrained runs (see the
+    module docstring: its own builds a mesh over the whole world)."""
+    import transformers.distributed.mixin as mixin
+    from transformers.distributed.utils import TransformersDeviceMesh
+    original = getattr(mixin, "initialize_distributed_mesh", None)
+    if original is None:
+        raise RuntimeError("this transformers has no distributed.mixin.initialize_distributed_mesh to point at a "
+                           "replica's mesh; load the target with engine='torch'")
+    n = dense.size(3)
+
+    def replica_mesh(distributed_config):
+        if distributed_config.tp_size != n:
+            raise RuntimeError(f"transformers asked for a tp mesh of {distributed_config.tp_size}, the replica has {n}")
+        return None, TransformersDeviceMesh(dense, experts)  # device_map None: load on CPU, moved after
+
+    mixin.initialize_distributed_mesh = replica_mesh
     try:
-        from transformers import AutoModelForCausalLM
+        yield
+    finally:
+        mixin.initialize_distributed_mesh = original
+
+
+def _load_transformers_tp(path: Path, dtype: torch.dtype, tp_group, device_type: str, expert_parallel: bool):
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+    n = dist.get_world_size(tp_group)
+    dense, experts = _replica_meshes(tp_group, device_type, expert_parallel)
+    dc = (DistributedConfig(tp_size=n, ep_size=n, ep_implementation="all_reduce") if expert_parallel
+          else DistributedConfig(tp_size=n))
+    with _transformers_mesh(dense, experts):
+        return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, distributed_config=dc,
+                                                    **{_dtype_kwarg(): dtype})
+
+
+def _load_torch_tp(path: Path, dtype: torch.dtype, tp_group, device_type: str):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, **{_dtype_kwarg(): dtype})
+    layers = getattr(hf, hf.base_model_prefix).layers
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = {}
+    for i, layer in enumerate(layers):
+        modules = dict(layer.named_modules())
+        for name, style in _TORCH_TP_PLAN.items():
+            if isinstance(modules.get(name), nn.Linear):
+                plan[f"{i}.{name}"] = styles[style]()
+            elif name.startswith("self_attn"):
+                raise NotImplementedError(f"{type(hf).__name__}: layer {i} has no nn.Linear {name}; tensor "
+                                          "parallelism without a transformers TP plan needs separate q/k/v/o projections")
+    mesh = DeviceMesh.from_group(tp_group, device_type, mesh_dim_names=("tp",))
+    parallelize_module(layers, mesh, plan)
+    return hf
+
+
+def load_hf_target(path: str | Path, dtype: torch.dtype, device: torch.device, verify: bool = True,
+                   tp_group=None, expert_parallel: bool = False, engine: str = "auto") -> HFTarget:
+    """Loads a causal LM from a LOCAL directory (never downloads), frozen, in eval mode, on `device`.
+
+    tp_group: the process group of this rank's target replica (None or one rank: the whole model here).
+    Every rank of the group must call this together. expert_parallel: MoE experts whole, split among the
+    replica's ranks, instead of each expert split. engine: see the module docstring."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError as exc:
         raise ImportError("model.target.kind=hf needs transformers: pip install 'dflash_dist[hf]'") from exc
+    if engine not in ENGINES:
+        raise ValueError(f"engine {engine!r}: expected one of {ENGINES}")
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model.target.path={path}: no config.json (a local model directory is required)")
-    hf = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, **{_dtype_kwarg(): dtype})
+    n = dist.get_world_size(tp_group) if tp_group is not None else 1
+    if n == 1:
+        if expert_parallel:
+            raise ValueError("expert parallelism needs a target replica of several ranks (model.target.tensor_parallel > 1)")
+        hf = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, **{_dtype_kwarg(): dtype})
+    else:
+        cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        _check_shardable(cfg.get_text_config(), n, expert_parallel)
+        if engine == "auto":
+            engine = "transformers" if getattr(cfg, "base_model_tp_plan", None) else "torch"
+        if engine == "torch":
+            if expert_parallel:
+                raise ValueError("expert parallelism needs transformers' engine (a config with a TP plan)")
+            hf = _load_torch_tp(path, dtype, tp_group, device.type)
+        else:
+            hf = _load_transformers_tp(path, dtype, tp_group, device.type, expert_parallel)
     target = HFTarget(hf).to(device=device, dtype=dtype).eval()
+    target.tensor_parallel = n
     target.default_mask_token_id = default_mask_token_id(path, target.vocab_size)
-    log.info("target %s from %s: %d layers, hidden %d, vocab %d, %s on %s", type(hf).__name__, path,
-             target.num_layers, target.hidden_size, target.vocab_size, dtype, device)
+    log.info("target %s from %s: %d layers, hidden %d, vocab %d%s, %s on %s%s", type(hf).__name__, path,
+             target.num_layers, target.hidden_size, target.vocab_size,
+             f", {target.num_experts} experts" if target.num_experts else "", dtype, device,
+             f", sharded over {n} ranks ({engine}{', expert parallel' if expert_parallel else ''})" if n > 1 else "")
     if verify:
         check_packed_capture(target)
     return target
