@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import logging
 from pathlib import Path
 
@@ -88,6 +89,22 @@ def _rope_theta(cfg) -> float:
     return float(theta)
 
 
+def _set_shape(obj, config) -> None:
+    """TinyQwen3's shape attributes (what draft_spec and the memory model read) from a transformers config."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    obj.config = cfg
+    obj.vocab_size = cfg.vocab_size
+    obj.hidden_size = cfg.hidden_size
+    obj.num_layers = cfg.num_hidden_layers
+    obj.num_heads = cfg.num_attention_heads
+    obj.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    obj.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    obj.intermediate_size = cfg.intermediate_size
+    obj.rope_theta = _rope_theta(cfg)
+    obj.rms_eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
+    obj.num_experts = int(getattr(cfg, "num_experts", 0) or 0)  # 0: a dense model
+
+
 class HFTarget(nn.Module):
     """Frozen, eval-mode wrapper with TinyQwen3's attributes and `capture`."""
 
@@ -100,18 +117,7 @@ class HFTarget(nn.Module):
             raise ValueError(f"{type(hf_model).__name__}: not a supported decoder-only layout "
                              f"(base model lacks {missing or 'everything'}; or no lm_head)")
         self._base_name = hf_model.base_model_prefix
-        cfg = hf_model.config.get_text_config() if hasattr(hf_model.config, "get_text_config") else hf_model.config
-        self.config = cfg
-        self.vocab_size = cfg.vocab_size
-        self.hidden_size = cfg.hidden_size
-        self.num_layers = cfg.num_hidden_layers
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.intermediate_size = cfg.intermediate_size
-        self.rope_theta = _rope_theta(cfg)
-        self.rms_eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
-        self.num_experts = int(getattr(cfg, "num_experts", 0) or 0)  # 0: a dense model
+        _set_shape(self, hf_model.config)
         self.tensor_parallel = 1  # ranks the weights are sharded over (set by load_hf_target)
         _register_packed_attention()
         for p in self.parameters():
@@ -251,6 +257,62 @@ def default_mask_token_id(path: Path, vocab_size: int) -> int | None:
     return len(tok) if len(tok) < vocab_size else None
 
 
+class HFHeads(nn.Module):
+    """What a rank that never runs the target needs of it (a drafter, when targets are replicas of several
+    ranks): the frozen input embedding and LM head, and the shape attributes. Read from the checkpoint
+    without the layers: a drafter of a Llama-3.3-70B target holds 2 x 2.1 GB instead of 140 GB."""
+
+    def __init__(self, config, embed: torch.Tensor, head: torch.Tensor):
+        super().__init__()
+        _set_shape(self, config)
+        self.embed_tokens = nn.Embedding.from_pretrained(embed, freeze=True)
+        self.lm_head = nn.Linear(head.shape[1], head.shape[0], bias=False, device="meta")  # no random init
+        self.lm_head.weight = nn.Parameter(head, requires_grad=False)
+        self.tensor_parallel = 1
+        self.eval()
+
+    def capture(self, *args, **kwargs):
+        raise RuntimeError("this rank holds only the target's embedding and LM head (load_hf_heads): it cannot run it")
+
+
+def _checkpoint_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file that holds it."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    single = path / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"model.target.path={path}: no model.safetensors(.index.json) to read the heads from")
+    from safetensors import safe_open
+    with safe_open(str(single), "pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def load_hf_heads(path: str | Path, dtype: torch.dtype, device: torch.device) -> HFHeads:
+    """The target's embedding and LM head (tied: the embedding again) from a LOCAL directory, frozen."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model.target.path={path}: no config.json (a local model directory is required)")
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    files = _checkpoint_files(path)
+    embeds = [k for k in files if k.endswith("embed_tokens.weight")]
+    if len(embeds) != 1:
+        raise ValueError(f"model.target.path={path}: expected one embed_tokens.weight in the checkpoint, found {embeds}")
+    head_key = "lm_head.weight" if "lm_head.weight" in files else None
+    if head_key is None and not getattr(config.get_text_config(), "tie_word_embeddings", False):
+        raise ValueError(f"model.target.path={path}: no lm_head.weight and the embeddings are not tied")
+
+    def read(key: str) -> torch.Tensor:
+        with safe_open(str(files[key]), "pt") as f:
+            return f.get_tensor(key).to(device=device, dtype=dtype)
+    embed = read(embeds[0])
+    heads = HFHeads(config, embed, read(head_key) if head_key else embed)
+    heads.default_mask_token_id = default_mask_token_id(path, heads.vocab_size)
+    return heads
+
+
 ENGINES = ("auto", "transformers", "torch")
 
 # Column-wise (output features split: whole heads, whole MLP channels) then row-wise (input features split,
@@ -290,7 +352,7 @@ def _replica_meshes(tp_group, device_type: str, expert_parallel: bool):
 
 
 @contextlib.contextmanager
-def _transformers_mesh(dense, experts):
+def _transformers_mesh(dense, experts, device: torch.device):
     """Points transformers' mesh construction at the replica's meshes while from_pretrained runs (see the
     module docstring: its own builds a mesh over the whole world)."""
     import transformers.distributed.mixin as mixin
@@ -304,7 +366,9 @@ def _transformers_mesh(dense, experts):
     def replica_mesh(distributed_config):
         if distributed_config.tp_size != n:
             raise RuntimeError(f"transformers asked for a tp mesh of {distributed_config.tp_size}, the replica has {n}")
-        return None, TransformersDeviceMesh(dense, experts)  # device_map None: load on CPU, moved after
+        # The device map transformers' own returns (this rank's device: shards are read straight onto it,
+        # which needs `accelerate` installed); on CPU None means the same and spares that dependency.
+        return (None if device.type == "cpu" else device), TransformersDeviceMesh(dense, experts)
 
     mixin.initialize_distributed_mesh = replica_mesh
     try:
@@ -313,14 +377,14 @@ def _transformers_mesh(dense, experts):
         mixin.initialize_distributed_mesh = original
 
 
-def _load_transformers_tp(path: Path, dtype: torch.dtype, tp_group, device_type: str, expert_parallel: bool):
+def _load_transformers_tp(path: Path, dtype: torch.dtype, tp_group, device: torch.device, expert_parallel: bool):
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
     n = dist.get_world_size(tp_group)
-    dense, experts = _replica_meshes(tp_group, device_type, expert_parallel)
+    dense, experts = _replica_meshes(tp_group, device.type, expert_parallel)
     dc = (DistributedConfig(tp_size=n, ep_size=n, ep_implementation="all_reduce") if expert_parallel
           else DistributedConfig(tp_size=n))
-    with _transformers_mesh(dense, experts):
+    with _transformers_mesh(dense, experts, device):
         return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, distributed_config=dc,
                                                     **{_dtype_kwarg(): dtype})
 
@@ -377,7 +441,7 @@ def load_hf_target(path: str | Path, dtype: torch.dtype, device: torch.device, v
                 raise ValueError("expert parallelism needs transformers' engine (a config with a TP plan)")
             hf = _load_torch_tp(path, dtype, tp_group, device.type)
         else:
-            hf = _load_transformers_tp(path, dtype, tp_group, device.type, expert_parallel)
+            hf = _load_transformers_tp(path, dtype, tp_group, device, expert_parallel)
     target = HFTarget(hf).to(device=device, dtype=dtype).eval()
     target.tensor_parallel = n
     target.default_mask_token_id = default_mask_token_id(path, target.vocab_size)
