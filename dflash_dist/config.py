@@ -134,6 +134,9 @@ class DistConfig:
     timeout_s: float = 1800.0
     heartbeat_s: float = 1.0
     dead_after_s: float = 15.0  # a peer whose heartbeat is older than this is reported dead
+    # Memory pre-flight: the device size the memory model checks the worst batch against. 0 = the
+    # device's own (CUDA only; no check on CPU); a value forces the check at that size anywhere.
+    device_memory_gib: float = 0.0
 
 
 @dataclass

@@ -15,6 +15,7 @@ from dflash_dist.balance import balance_advice, format_advice
 from dflash_dist.config import to_dict
 from dflash_dist.data.dataset import preparation_skips
 from dflash_dist.export import export_drafter
+from dflash_dist.models import attention
 from dflash_dist.fsutil import write_json
 from dflash_dist.monitor import Monitor, Progress, Sinks
 from dflash_dist.run import RunSetup
@@ -73,8 +74,8 @@ class Reporter(NullReporter):
     def __enter__(self):
         cfg, h = self.run.cfg, self.state.history
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.sinks = Sinks(self.run_dir, cfg.wandb, to_dict(cfg))  # TODO(lead): run_id=h.wandb_id
-        h.wandb_id = getattr(self.sinks, "run_id", None)  # a resumed run continues the same wandb run
+        self.sinks = Sinks(self.run_dir, cfg.wandb, to_dict(cfg), run_id=h.wandb_id)
+        h.wandb_id = self.sinks.run_id  # a resumed run continues the same wandb run
         self.monitor = Monitor(self.progress, self.sinks, cfg.monitor.interval_s, self.run.ctx.device).start()
         log.info("plan: %s batches over %d epochs = %d total; %d optimizer steps on %d drafters",
                  list(self.run.epoch_counts), cfg.train.epochs, sum(self.run.epoch_counts), self.total_steps,
@@ -180,6 +181,7 @@ class Reporter(NullReporter):
             "weights_digest": digest, "wait_targets": wait_fraction(tw, tc), "wait_drafters": wait_fraction(dw, dc),
             "target_compute_s": tc, "target_wait_s": tw, "drafter_compute_s": dc, "drafter_wait_s": dw,
             "num_targets": lay.num_targets, "num_drafters": lay.num_drafters, "mode": run.cfg.roles.mode,
+            "attention_compiles": attention.backend.compile_stats(),  # late_graphs: recompiles mid-training
         }
         if not lay.colocated:
             summary["balance"] = balance_advice(tc, dc, t.batches, lay.local_world_size, lay.drafters_per_node,

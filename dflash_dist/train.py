@@ -66,7 +66,10 @@ def build(cfg: Config, ctx: DistContext, stop_flag: StopFlag, lock: RunLock) -> 
             removed = cleanup_leftovers(Path(cfg.train.run_dir))
             if removed:
                 log.warning("removed leftovers of an interrupted save or prune: %s", ", ".join(removed))
-        target = build_target(cfg, ctx.device)
+        # With prepared data a drafter needs only the target's embedding and LM head (the in-run tau
+        # evaluation and the regenerated corpus, which need all of it, belong to the synthetic data).
+        head_only = ctx.role == "drafter" and bool(cfg.data.path)
+        target = build_target(cfg, ctx.device, head_only=head_only)
         spec = draft_spec(cfg, target)
         # A regenerated corpus is made once, by rank 0, while the others wait in the vote below; a
         # prepared dataset is opened (and validated) by every rank before the vote.
@@ -78,6 +81,7 @@ def build(cfg: Config, ctx: DistContext, stop_flag: StopFlag, lock: RunLock) -> 
         if ctx.rank == 0:  # rank 0 builds every plan; a mid-epoch resume must find the same one
             count = count_epochs(ds, cfg)
             check_trainable(count.counts, count.skipped, len(ds))
+            preflight(cfg, ctx, ds)
             if resume_from is not None:
                 check_plan(read_meta(resume_from), resume_from, count.digests)
         failure = None
@@ -101,6 +105,29 @@ def build(cfg: Config, ctx: DistContext, stop_flag: StopFlag, lock: RunLock) -> 
     return RunSetup(cfg=cfg, ctx=ctx, target=target, spec=spec, dataset=ds, epoch_counts=tuple(counts.tolist()),
                     cursor=cursor, resume_from=resume_from, stop_flag=stop_flag,
                     plan_digests=tuple(count.digests) if count else (), skipped=count.skipped if count else None)
+
+
+def preflight(cfg: Config, ctx: DistContext, ds) -> None:
+    """Rank 0: the memory model's peak of every role at the worst batch of the real plans, against the
+    device's memory (CUDA, or dist.device_memory_gib anywhere): a ConfigError naming the key to change
+    instead of an out-of-memory error after the target has loaded."""
+    device_gib = cfg.dist.device_memory_gib
+    if device_gib <= 0 and ctx.device.type == "cuda":
+        device_gib = torch.cuda.get_device_properties(ctx.device).total_memory / 2**30
+    if device_gib <= 0:
+        return
+    from dflash_dist import memory
+    worst = memory.worst_batches(cfg, ds.lengths, ds.num_supervised, ds.num_anchorable(cfg.objective.block_size))
+    pred = memory.predict(cfg, memory.model_shapes(cfg), list(worst.values()), device_gib)
+    # (Colocated ranks hold both roles' memory at once; each role alone is what is checked.)
+    refusals = [m for r in ("drafter", "target") if (m := memory.preflight_message(pred, r))]
+    if refusals and pred.unsure:
+        log.warning("memory pre-flight (unsure: %s): %s; going on", pred.unsure, " ".join(refusals))
+    elif refusals:
+        raise ConfigError(" ".join(refusals))
+    else:
+        log.info("memory pre-flight: %s on %.0f GiB devices", ", ".join(
+            f"{r} {p.peak_gib:.1f} GiB" for r, p in pred.roles.items()), device_gib)
 
 
 def already_complete(setup: RunSetup) -> bool:

@@ -16,12 +16,16 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def build_target(cfg: Config, device: torch.device):
-    """The frozen target. Every rank builds it: targets run it, drafters borrow embed_tokens/lm_head."""
+def build_target(cfg: Config, device: torch.device, head_only: bool = False):
+    """The frozen target. Targets run it; drafters borrow its embed_tokens/lm_head, and with
+    `head_only` (a transformers target) read nothing else of it, straight to their device."""
     tc = cfg.model.target
     dtype = compute_dtype(tc.dtype, device)
     if tc.kind == "tiny":
         model = TinyQwen3(tc)
+    elif head_only:
+        from dflash_dist.models.head import load_head_only_target
+        return load_head_only_target(tc.path, dtype, device)
     else:
         from dflash_dist.models.hf_target import load_hf_target  # optional extra: transformers
         model = load_hf_target(tc.path, dtype=dtype, device=device)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dflash_dist.models.attention import packed_block_attention
+from dflash_dist.models.attention import packed_block_attention, prepare_block_attention
 from dflash_dist.models.qwen3 import DecoderLayer, RMSNorm, apply_rope, rope_cos_sin
 
 
@@ -42,15 +42,16 @@ class DraftLayer(DecoderLayer):
     def __init__(self, s: DraftSpec):
         super().__init__(s.hidden_size, s.intermediate_size, s.num_heads, s.num_kv_heads, s.head_dim, s.rms_eps)
 
-    def forward(self, x, ctx, blk_rope, ctx_rope, ctx_start, ctx_end):
+    def forward(self, x, ctx, blk_rope, ctx_rope, ctx_start, ctx_end, prepared=None):
         """x: (A, B, H) blocks; ctx: (N, H) fused context of the packed batch. Block j attends to context
-        rows [ctx_start[j], ctx_end[j]) (its sequence, strictly before its anchor) and its own block."""
+        rows [ctx_start[j], ctx_end[j]) (its sequence, strictly before its anchor) and its own block.
+        `prepared`: the attention's mask or runs for these bounds, built once and shared by the layers."""
         a = self.self_attn
         h = self.input_layernorm(x)
         q = apply_rope(a.q(h), *blk_rope)
         k_blk, v_blk = apply_rope(a.k(h), *blk_rope), a.v(h)
         k_ctx, v_ctx = apply_rope(a.k(ctx), *ctx_rope), a.v(ctx)
-        out = packed_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_start, ctx_end)
+        out = packed_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_start, ctx_end, prepared=prepared)
         x = x + a.o_proj(out.flatten(-2))
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -101,11 +102,12 @@ class DFlashDrafter(nn.Module):
         blk_pos = position_ids[anchors][:, None] + torch.arange(B, device=dev)
         blk_rope = rope_cos_sin(blk_pos, s.head_dim, s.rope_theta, x.dtype)
         ctx_rope = rope_cos_sin(position_ids, s.head_dim, s.rope_theta, x.dtype)
+        prepared = prepare_block_attention(ctx_start, anchors, ctx.shape[0], anchors.numel(), B, like=x)
         for layer in self.layers:
             if self.checkpoint_layers and torch.is_grad_enabled():
-                x = checkpoint(layer, x, ctx, blk_rope, ctx_rope, ctx_start, anchors, use_reentrant=False)
+                x = checkpoint(layer, x, ctx, blk_rope, ctx_rope, ctx_start, anchors, prepared, use_reentrant=False)
             else:
-                x = layer(x, ctx, blk_rope, ctx_rope, ctx_start, anchors)
+                x = layer(x, ctx, blk_rope, ctx_rope, ctx_start, anchors, prepared)
         return self.norm(x)
 
     def forward(self, features, input_ids, cu_seqlens, position_ids, anchors, anchor_cu):

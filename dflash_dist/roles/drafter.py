@@ -22,6 +22,7 @@ from dflash_dist.checkpoint import Cursor
 from dflash_dist.config import loss_gamma
 from dflash_dist.data.collate import PackedBatch, collate
 from dflash_dist.dist import all_reduce_grads, broadcast_params
+from dflash_dist.models import attention
 from dflash_dist.models.build import build_drafter
 from dflash_dist.objective import anchor_generator, draw_anchors
 from dflash_dist.plan import BatchPlan, epoch_plan, plan_digest
@@ -242,7 +243,10 @@ class Drafter:
     def warm_up(self) -> None:
         """One forward/backward on a small packed batch (compiles the attention paths), then the gradients
         are dropped: nothing of it reaches the weights, the optimizer or any RNG that training uses."""
-        B, dev = self.run.cfg.objective.block_size, self.device
+        B, dev, spec = self.run.cfg.objective.block_size, self.device, self.run.spec
+        attention.warm_up(dev, torch.float32, heads=spec.num_heads, kv_heads=spec.num_kv_heads,
+                                   head_dim=spec.head_dim, block_size=B, ops=("block",),
+                                   autocast_dtype=torch.bfloat16 if dev.type == "cuda" else None)
         lens = [B + 3, 2 * B + 1]
         cu = torch.tensor([0, lens[0], sum(lens)], device=dev)
         ids = torch.zeros(sum(lens), dtype=torch.long, device=dev)

@@ -13,6 +13,7 @@ import torch
 from dflash_dist.capture import capture_for_drafter, packet_spec
 from dflash_dist.checkpoint import Cursor
 from dflash_dist.data.collate import PackedBatch, collate
+from dflash_dist.models import attention
 from dflash_dist.plan import epoch_plan, plan_digest
 from dflash_dist.run import RoleResult, RunSetup
 from dflash_dist.schedule import EpochSchedule, Votes
@@ -48,8 +49,9 @@ class Target:
                 self.sender.flush()
                 return RoleResult(True, stopped, self.stats())
         self.sender.flush()  # (not on a failure: a dead peer's sends never complete)
-        log.info("done: %d packets sent, compute %.1fs, waiting %.1fs (%.0f%%)", self.sent, self.compute_s,
-                 self.wait_s, 100 * wait_fraction(self.wait_s, self.compute_s))
+        log.info("done: %d packets sent, compute %.1fs, waiting %.1fs (%.0f%%); attention compiles %s",
+                 self.sent, self.compute_s, self.wait_s, 100 * wait_fraction(self.wait_s, self.compute_s),
+                 attention.backend.compile_stats())
         return RoleResult(False, Cursor(cfg.train.epochs, 0), self.stats())
 
     def run_epoch(self, epoch: int) -> Cursor | None:
@@ -88,7 +90,9 @@ class Target:
 
     def warm_up(self) -> None:
         """One capture of a small packed batch before the first collective (compiles the attention)."""
-        dev, B = self.run.ctx.device, self.run.cfg.objective.block_size
+        dev, B, t = self.run.ctx.device, self.run.cfg.objective.block_size, self.run.target
+        attention.warm_up(dev, next(t.parameters()).dtype, heads=t.num_heads, kv_heads=t.num_kv_heads,
+                                   head_dim=t.head_dim, ops=("causal",))
         cu = torch.tensor([0, B + 3, 3 * B + 4], device=dev)
         ids = torch.zeros(3 * B + 4, dtype=torch.long, device=dev)
         capture_for_drafter(self.run.target, PackedBatch(ids, torch.ones_like(ids, dtype=torch.bool), cu),
