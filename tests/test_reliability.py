@@ -4,10 +4,11 @@ full disk or an unreachable wandb."""
 import errno
 import json
 import logging
-import math
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -455,3 +456,63 @@ def test_unreachable_wandb_online_falls_back_to_offline_within_the_timeout(tmp_p
     finally:
         sinks.close()
     print(f"unreachable wandb online -> offline after {took:.1f} s (init_timeout_s=2)")
+
+
+# -- under torchrun: found before training, exit 2; Ctrl-C saves, exit 75 --------------------------------
+
+def _torchrun(overrides, run_dir):
+    from helpers import torchrun
+    res = torchrun(3, ["train.epochs=1"] + overrides, run_dir, timeout=120)
+    return res.returncode, res.stdout + res.stderr
+
+
+def _every_rank_says(out, text):
+    return all(re.search(rf"\[rank{r} \w+\] \S+: .*{re.escape(text)}", out) for r in range(3))
+
+
+def test_nothing_to_train_is_exit_2_on_every_rank(tmp_path):
+    rc, out = _torchrun(["data.synthetic.min_len=12", "data.synthetic.max_len=12"], tmp_path / "run")
+    assert rc != 0 and "exitcode  : 2" in out, out[-3000:]
+    assert _every_rank_says(out, "cannot start: nothing to train: epoch 1 of 1 has no batch: the plan skips 160 of "
+                                 "160 samples: no_anchor 160"), out[-3000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_run_dir_that_cannot_be_written_is_exit_2_before_training(tmp_path):
+    (tmp_path / "file").write_text("x")
+    rc, out = _torchrun([], tmp_path / "file" / "run")
+    assert rc != 0 and "exitcode  : 2" in out, out[-3000:]
+    assert _every_rank_says(out, "rank 0 (drafter) cannot start: config key 'train.run_dir': cannot create"), \
+        out[-3000:]
+    assert "went silent" not in out and "epoch 1" not in out
+
+
+def test_a_second_run_on_a_locked_run_dir_is_exit_2(tmp_path):
+    with RunLock(tmp_path):
+        rc, out = _torchrun([], tmp_path)
+    assert rc != 0 and "exitcode  : 2" in out, out[-3000:]
+    assert _every_rank_says(out, f"is in use by another run (host {socket.gethostname()} pid {os.getpid()}"), \
+        out[-3000:]
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_ctrl_c_stops_on_every_rank_saves_and_exits_75(tmp_path):
+    from helpers import progress_step, start_torchrun, wait_for
+    log = tmp_path / "run.log"
+    proc = start_torchrun(3, ["train.epochs=2", "data.synthetic.num_samples=400", "train.sync_every=2"], tmp_path,
+                          log)
+    try:
+        wait_for(lambda: progress_step(tmp_path) >= 6, 120, "training to reach step 6")
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)  # Ctrl-C in the terminal reaches the agent; it forwards SIGINT
+        proc.wait(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = log.read_text()
+    assert len(re.findall(r"exit code 75: stopped on request", out)) == 3, out[-3000:]
+    assert "received SIGINT: stopping at the next agreed step boundary and saving" in out
+    assert "SIGINT received here" in out and "KeyboardInterrupt" not in out
+    assert list_checkpoints(tmp_path), "the stop saved a checkpoint"
+    print(f"SIGINT -> every process gone after {took:.1f} s")
