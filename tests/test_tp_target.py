@@ -134,20 +134,3 @@ def test_a_split_that_cuts_heads_is_refused():
     with pytest.raises(ValueError, match="expert"):
         _check_shardable(Qwen3Config(**SHAPE), 2, True)
 
-
-@pytest.mark.parametrize("tied", [False, True])
-def test_heads_only_loader_matches_the_full_target(tmp_path, tied):
-    from dflash_dist.models.hf_target import load_hf_heads
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(Qwen3Config(**SHAPE, tie_word_embeddings=tied)).save_pretrained(tmp_path)
-    whole = load_hf_target(tmp_path, torch.float32, torch.device("cpu"), verify=False)
-    heads = load_hf_heads(tmp_path, torch.bfloat16, torch.device("cpu"))
-    assert torch.equal(heads.embed_tokens.weight, whole.embed_tokens.weight.bfloat16())
-    assert torch.equal(heads.lm_head.weight, whole.lm_head.weight.bfloat16())
-    assert (heads.lm_head.weight.data_ptr() == heads.embed_tokens.weight.data_ptr()) == tied
-    for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                 "intermediate_size", "rope_theta", "rms_eps", "num_experts", "default_mask_token_id"):
-        assert getattr(heads, name) == getattr(whole, name), name
-    assert not any(p.requires_grad for p in heads.parameters())
-    with pytest.raises(RuntimeError, match="cannot run"):
-        heads.capture()

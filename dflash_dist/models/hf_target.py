@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 import logging
 from pathlib import Path
 
@@ -255,62 +254,6 @@ def default_mask_token_id(path: Path, vocab_size: int) -> int | None:
     if tok.mask_token_id is not None and tok.mask_token_id < vocab_size:
         return int(tok.mask_token_id)
     return len(tok) if len(tok) < vocab_size else None
-
-
-class HFHeads(nn.Module):
-    """What a rank that never runs the target needs of it (a drafter, when targets are replicas of several
-    ranks): the frozen input embedding and LM head, and the shape attributes. Read from the checkpoint
-    without the layers: a drafter of a Llama-3.3-70B target holds 2 x 2.1 GB instead of 140 GB."""
-
-    def __init__(self, config, embed: torch.Tensor, head: torch.Tensor):
-        super().__init__()
-        _set_shape(self, config)
-        self.embed_tokens = nn.Embedding.from_pretrained(embed, freeze=True)
-        self.lm_head = nn.Linear(head.shape[1], head.shape[0], bias=False, device="meta")  # no random init
-        self.lm_head.weight = nn.Parameter(head, requires_grad=False)
-        self.tensor_parallel = 1
-        self.eval()
-
-    def capture(self, *args, **kwargs):
-        raise RuntimeError("this rank holds only the target's embedding and LM head (load_hf_heads): it cannot run it")
-
-
-def _checkpoint_files(path: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file that holds it."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        return {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
-    single = path / "model.safetensors"
-    if not single.is_file():
-        raise FileNotFoundError(f"model.target.path={path}: no model.safetensors(.index.json) to read the heads from")
-    from safetensors import safe_open
-    with safe_open(str(single), "pt") as f:
-        return dict.fromkeys(f.keys(), single)
-
-
-def load_hf_heads(path: str | Path, dtype: torch.dtype, device: torch.device) -> HFHeads:
-    """The target's embedding and LM head (tied: the embedding again) from a LOCAL directory, frozen."""
-    from safetensors import safe_open
-    from transformers import AutoConfig
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model.target.path={path}: no config.json (a local model directory is required)")
-    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    files = _checkpoint_files(path)
-    embeds = [k for k in files if k.endswith("embed_tokens.weight")]
-    if len(embeds) != 1:
-        raise ValueError(f"model.target.path={path}: expected one embed_tokens.weight in the checkpoint, found {embeds}")
-    head_key = "lm_head.weight" if "lm_head.weight" in files else None
-    if head_key is None and not getattr(config.get_text_config(), "tie_word_embeddings", False):
-        raise ValueError(f"model.target.path={path}: no lm_head.weight and the embeddings are not tied")
-
-    def read(key: str) -> torch.Tensor:
-        with safe_open(str(files[key]), "pt") as f:
-            return f.get_tensor(key).to(device=device, dtype=dtype)
-    embed = read(embeds[0])
-    heads = HFHeads(config, embed, read(head_key) if head_key else embed)
-    heads.default_mask_token_id = default_mask_token_id(path, heads.vocab_size)
-    return heads
 
 
 ENGINES = ("auto", "transformers", "torch")
