@@ -42,9 +42,12 @@ class Liveness:
         self._thread.start()
         return self
 
-    def mark(self, status: str) -> None:
-        """DONE on a clean exit, FAILED + reason on an error: peers stop waiting for us at once."""
+    def mark(self, status: str, exit_code: int | None = None) -> None:
+        """DONE on a clean exit, FAILED + reason on an error: peers stop waiting for us at once. With
+        `exit_code`, the peers end with that code too (their failure is this one, e.g. a divergence)."""
         self._stop.set()
+        if exit_code is not None and status.startswith(FAILED):
+            status = f"{FAILED}{exit_code}:{status[len(FAILED):]}"
         try:
             self.store.set(self._key(self.rank), status[:500])
         except Exception:  # the store may be gone with its host; nothing left to tell
@@ -77,6 +80,9 @@ class Liveness:
             now = time.monotonic()
             for r, v in zip(peers, values):
                 if v.startswith(FAILED):
+                    code, _, why = v[len(FAILED):].partition(":")
+                    if code.isdigit():
+                        self._die(f"rank {r} ({self.role_of(r)}) failed: {why}", int(code))
                     self._die(f"rank {r} ({self.role_of(r)}) failed: {v[len(FAILED):]}")
                 if v == DONE:
                     continue
@@ -86,11 +92,11 @@ class Liveness:
                     self._die(f"rank {r} ({self.role_of(r)}) went silent: no heartbeat for "
                               f"{now - last[r][1]:.1f}s (dist.dead_after_s={self.dead_after_s})")
 
-    def _die(self, why: str) -> None:
+    def _die(self, why: str, code: int = EXIT_PEER_LOST) -> None:
         if self._stop.is_set():
             return  # we are finishing anyway
         log.error("%s; exiting instead of waiting on it", why)
         for h in logging.getLogger().handlers:
             h.flush()
         sys.stderr.flush()
-        os._exit(EXIT_PEER_LOST)
+        os._exit(code)

@@ -43,7 +43,7 @@ class NullReporter:
     def step(self, s: StepStats, targets: torch.Tensor, lr: float, grad_norm: float) -> None: ...
     def epoch_end(self, sched: EpochSchedule, seconds: float) -> None: ...
     def training_over(self) -> None: ...
-    def stopped(self) -> None: ...
+    def stopped(self, kind: str = "stopped") -> None: ...
     def maybe_save(self) -> None: ...
 
     def save(self) -> Path | None:
@@ -134,8 +134,9 @@ class Reporter(NullReporter):
     def training_over(self) -> None:
         self.monitor.stop()  # no more progress lines during the final evaluation
 
-    def stopped(self) -> None:
-        self.monitor.report(kind="stopped")
+    def stopped(self, kind: str = "stopped") -> None:
+        self.progress.skipped_steps = self.state.totals.skipped_steps  # a divergence ends before `step`
+        self.monitor.report(kind=kind)
 
     # -- rank 0's files: checkpoints (replicas are identical, so one copy) and the export ---------------
     def save(self) -> Path:

@@ -190,7 +190,7 @@ def main(argv=None) -> int:
         liveness.mark(DONE)
         if result.stopped:
             log.warning("exit code %d: stopped on request with state saved; requeue to resume from epoch %d "
-                        "step %d", EXIT_RESUME, result.cursor.epoch + 1, result.cursor.step)
+                        "batch %d", EXIT_RESUME, result.cursor.epoch + 1, result.cursor.batch)
             return EXIT_RESUME
         return 0
     except ConfigError as exc:
@@ -201,7 +201,7 @@ def main(argv=None) -> int:
     except Diverged as exc:
         log.error("%s", exc)
         if liveness is not None:
-            liveness.mark(f"{FAILED}{exc}")
+            liveness.mark(f"{FAILED}{exc}", exit_code=EXIT_DIVERGED)  # the others exit with the same code
         return EXIT_DIVERGED
     except BaseException as exc:
         if liveness is not None and is_comm_error(exc):

@@ -7,7 +7,9 @@ import time
 
 import pytest
 
-from helpers import final_digest, progress_step, start_torchrun, torchrun, wait_for, worker_pids
+from helpers import final_digest, metrics, progress_step, start_torchrun, torchrun, wait_for, worker_pids
+
+pytestmark = pytest.mark.slow  # whole runs under torchrun: `pytest -m "not slow"` skips them
 
 # Long enough to interrupt mid-epoch, short enough for CI.
 JOB = ["train.epochs=2", "data.synthetic.num_samples=400", "objective.num_anchors=4", "train.sync_every=2",
@@ -61,13 +63,13 @@ def test_sigterm_stops_saves_and_resumes_exactly(tmp_path, reference):
     assert rc != 0
     assert took < 20, f"signal to exit took {took:.1f}s"
     cursor = _latest_cursor(tmp_path)
-    assert (cursor["epoch"], cursor["step"]) != (2, 0), "the stop must land mid-run"
+    assert (cursor["epoch"], cursor["batch"]) != (2, 0), "the stop must land mid-run"
     meta = json.loads(sorted((tmp_path / "checkpoints").glob("step-*/meta.json"))[-1].read_text())
     assert len(meta["plan_digests"]) == 2  # what a mid-epoch resume checks its rebuilt plan against
     # Resume and finish: bitwise the uninterrupted weights.
     out2 = resume(tmp_path)
-    if cursor["step"]:
-        assert f"resuming at step {cursor['step']}" in out2
+    if cursor["batch"]:
+        assert f"resuming at batch {cursor['batch']}" in out2
     assert final_digest(out2) == reference
     print(f"SIGTERM -> exit: {took:.2f}s")
 
@@ -86,3 +88,47 @@ def test_dead_peer_ends_every_rank_with_its_name_then_resume_is_exact(tmp_path, 
         re.search(rf"lost {role} rank {victim}", out), out[-4000:]
     assert final_digest(resume(tmp_path)) == reference
     print(f"{role} killed -> all exited: {took:.2f}s")
+
+
+def test_sigterm_to_one_worker_says_what_happened_on_every_rank(tmp_path):
+    def term_target(proc):
+        pids = wait_for(lambda: (lambda p: p if len(p) == 3 else None)(worker_pids(proc.pid)), 10, "worker pids")
+        os.kill(pids[2], signal.SIGTERM)
+
+    out, took, rc = interrupt(tmp_path, [], 4, term_target, 30)
+    assert len(re.findall(r"exit code 75: stopped on request", out)) == 3, out[-3000:]
+    assert re.search(r"\[rank2 target\].*received SIGTERM", out)
+    assert re.search(r"\[rank0 drafter\] \S+: stopped on request at epoch \d+ batch \d+ \(stop requested by another "
+                     r"rank\); saved", out), out[-3000:]
+    assert "nan" not in re.findall(r"stopped on request[^\n]*", out)[0]
+
+
+@pytest.mark.parametrize("nproc, drafters", [(3, 1), (5, 3)])
+def test_a_two_drafter_checkpoint_resumes_on_another_layout(tmp_path, nproc, drafters):
+    """Stopped with 2 drafters mid-epoch, resumed with 1 or 3: the rest of the same plan, every sample of
+    every epoch trained once (counted), the whole run in one summary and one wandb run."""
+    run = ["wandb.mode=offline"]
+    log = tmp_path / "first.log"
+    proc = start_torchrun(4, JOB + run + ["roles.drafters_per_node=2"], tmp_path, log)
+    try:
+        wait_for(lambda: progress_step(tmp_path) >= 4, 120, "training to reach step 4")
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    cursor = _latest_cursor(tmp_path)
+    assert cursor["epoch"] == 0 and cursor["batch"] > 0, cursor
+    res = torchrun(nproc, JOB + run + [f"roles.drafters_per_node={drafters}"], tmp_path)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-3000:]
+    assert re.search(r"resuming \S+ on another layout \(num_drafters 2 -> %d" % drafters, out), out[-3000:]
+    assert f"resuming at batch {cursor['batch']}" in out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    counts = [e["batches"] for e in summary["epochs"]]
+    assert len(counts) == 2 and summary["batches"] == sum(counts)
+    assert summary["samples"] == 2 * 400, "every sample of the plan once per epoch"
+    ends = [r for r in metrics(tmp_path) if r.get("kind") == "epoch_end"]
+    assert [r["batch"] for r in ends] == counts and all(r["epoch_progress"] == 1.0 for r in ends)
+    ids = {d.name.rsplit("-", 1)[-1] for d in (tmp_path / "wandb").glob("offline-run-*")}
+    assert len(ids) == 1, f"the resumed run continues the same wandb run: {ids}"

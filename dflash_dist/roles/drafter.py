@@ -137,7 +137,11 @@ class Drafter:
                 state.history.tau_untrained = self.reporter.evaluate("untrained")
             self.reporter.begin_training()
             for epoch in range(state.cursor.epoch, epochs):
-                stopped = self.run_epoch(epoch)
+                try:
+                    stopped = self.run_epoch(epoch)
+                except Diverged:
+                    self.reporter.stopped(kind="diverged")  # the last record shows the skipped steps
+                    raise
                 if stopped is not None:
                     return self.stop(stopped)
             self.reporter.training_over()
