@@ -1,6 +1,9 @@
-"""Each benchmark runs at tiny sizes, prints its table and writes JSON; gpu_check's CPU-safe parts run."""
+"""Each benchmark runs at tiny sizes, prints its table and writes JSON; gpu_check's dry run covers every
+section, and a hung section is ended."""
 import json
+import time
 
+import psutil
 import pytest
 import torch
 
@@ -41,21 +44,49 @@ def test_attention_bench_tiny(tmp_path, capsys):
     assert padded["computed_tokens"] > packed["computed_tokens"] == packed["real_tokens"]
 
 
-def test_gpu_check_dry_run(tmp_path, capsys):
+def test_gpu_check_dry_run_reports_every_section(tmp_path, capsys):
+    """Every section runs in its own process on CPU at tiny shapes (the nccl section: 2 gloo ranks) and
+    reports its measurements; one table, one JSON file."""
     out = tmp_path / "gpu.json"
-    assert gpu_check.main(["--dry-run", "--skip", "transport", "--json", str(out)]) == 0
+    assert gpu_check.main(["--dry-run", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "tokens/s" in text and "us/anchor" in text
-    data = json.loads(out.read_text())
-    for section in ("attention", "run", "target", "drafter"):
-        assert "error" not in data[section], data[section].get("traceback")
-    # The end-to-end section ran the real entry point under torchrun (gloo, 2 ranks, on this CPU).
-    assert data["run"]["torchrun 2 ranks exit code"] == 0, data["run"].get("log_tail")
-    assert data["run"]["targets / drafters"] == "1 / 1" and data["run"]["tokens/s (training)"] > 0
-    assert data["attention"]["causal flex fp32 max|diff|"] < 1e-5
-    assert data["attention"]["drafter flex fp32 max|diff|"] < 1e-5
-    assert data["target"]["tokens/s (ref->ref)"] > 0
-    assert data["drafter"]["1-layer us/anchor"] > 0
+    sections = json.loads(out.read_text())["sections"]
+    assert list(sections) == list(gpu_check.SECTIONS)
+    for name, sec in sections.items():
+        assert sec["status"] == "ok", (name, sec.get("error"), sec.get("log_tail"))
+        assert f"\n{name} " in text  # its rows are in the table
+    env, drafter, target, nccl = (sections[s]["values"] for s in gpu_check.SECTIONS)
+    assert env["torch"] == torch.__version__ and env["GPUs"] == 0 and env["C compiler"]
+    assert drafter["attention path"] == "sdpa" and drafter["sdpa fallback fwd+bwd"] == "ok"
+    assert drafter["mean step s"] > 0 and drafter["worst step s"] > 0
+    anchors = {b: int(drafter[f"{b} batch"].split(", ")[2].split()[0]) for b in ("mean", "worst")}
+    assert anchors["worst"] > anchors["mean"] > 0  # the plan's worst batch holds the most anchors
+    assert drafter["graphs compiled after warm-up"] == 0
+    assert target["tokens/s"] > 0 and target["isolation"] == "ok"
+    # The end-to-end job ran the real entry point under torchrun (gloo, 2 colocated ranks, 2 epochs).
+    assert nccl["colocated exit code"] == 0, sections["nccl"]
+    assert nccl["colocated replicas identical"] == "2 of 2"
+    assert nccl["colocated tail lines"] == 4  # each of the 2 drafters, each epoch
+    assert nccl["colocated watchdog/timeout lines"] == 0
+    assert nccl["packet/raw"] > 0
+
+
+def test_gpu_check_ends_a_hung_section_and_runs_the_next(tmp_path):
+    """A section past its timeout is reported as timed out, its whole process tree ends (a child in a
+    session of its own too, as torchrun's workers are), and the next section still runs."""
+    out = tmp_path / "gpu.json"
+    t0 = time.monotonic()
+    assert gpu_check.main(["--dry-run", "--sections", "hang,env", "--timeouts", "hang=3",
+                           "--json", str(out)]) == 0
+    assert time.monotonic() - t0 < 40
+    sections = json.loads(out.read_text())["sections"]
+    hang, env = sections["hang"], sections["env"]
+    assert hang["status"] == "timed out" and hang["error"] == "ended after 3 s"
+    assert env["status"] == "ok" and env["values"]["torch"] == torch.__version__
+    pids = [int(p) for p in hang["values"]["pids"].split()]
+    assert len(pids) == 2
+    for pid in pids:  # gone, or a zombie nobody reaps (init in a container may not)
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, pid
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")

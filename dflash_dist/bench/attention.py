@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
 
+from dflash_dist.bench.common import time_interleaved
 from dflash_dist.models import attention as attn
 
 
@@ -108,26 +106,6 @@ def pad_block(q, k_ctx, v_ctx, k_blk, v_blk, lengths, anchors, B):
     sees_blk = (row_blk[:, None] == row_blk[None, :]).expand(S, -1, -1)
     mask = torch.cat([sees_ctx, sees_blk], 2)[:, None]
     return qp, kp, vp, mask, blk_valid
-
-
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def time_interleaved(fns: dict[str, Callable[[], None]], reps: int, warmup: int, dev: torch.device) -> dict:
-    """Median seconds per call; the order of the paths rotates every repetition (noisy machines)."""
-    names = list(fns)
-    times: dict[str, list[float]] = {k: [] for k in names}
-    for i in range(warmup + reps):
-        for k in names[i % len(names):] + names[:i % len(names)]:
-            sync(dev)
-            t0 = time.perf_counter()
-            fns[k]()
-            sync(dev)
-            if i >= warmup:
-                times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def available_impls(dev: torch.device, dtype: torch.dtype, requested: list[str] | None) -> list[str]:

@@ -1,142 +1,417 @@
-"""A five-minute check of a GPU machine at the Qwen3-8B shape, with random weights.
+"""A short check of a GPU machine at the reference shape (Qwen3-8B target, 5-layer drafter), random weights.
 
-    python -m dflash_dist.bench.gpu_check                 # on a machine with one or more GPUs (not torchrun)
-    python -m dflash_dist.bench.gpu_check --dry-run       # tiny shapes on CPU: exercises every section
+    python -m dflash_dist.bench.gpu_check [--json PATH] [--sections env,drafter,target,nccl]
+    python -m dflash_dist.bench.gpu_check --dry-run      # tiny shapes on CPU, gloo: every section runs
 
-Sections (each one is timed, interleaved where it compares, and reported even if another one fails):
-  attention  the fast paths against the reference on this GPU (flash needs flash-attn installed)
-  target     TinyQwen3 at the Qwen3-8B shape (36 layers, hidden 4096, 32/8 heads x 128, MLP 12288,
-             vocab 151936) in bf16 over one packed batch of 49,152 tokens: tokens/s and model FLOP
-             utilisation, with the "auto" attention path and with "ref". --layers N < 36 runs N layers and
-             scales the time by 36/N (said so in the table).
-  drafter    one DFlash training step (forward, loss, backward, AdamW) of DFlashDrafter with 1 and 5
-             layers at that shape: time per step and per anchor; as drafter.py runs it (one attention
-             call per sequence) and batched (one packed_block_attention call per layer, the proposed change).
-  transport  packet path vs raw NCCL send/recv between GPU 0 and GPU 1, when there are two.
-  run        the embedded tiny job end to end under torchrun with NCCL on every GPU (at most 8: one drafter
-             per node, the rest targets), when there are two or more: exit code, tokens/s, wait fractions.
-Prints one table and writes JSON. Without CUDA (and without --dry-run) it says so and exits with status 2.
-Time: flex compiles once or twice per op (automatic dynamic shapes), ~1 min each on a GPU; no section
-starts after --budget-s (240 s), so the whole check ends in about five minutes.
+Each section runs in its own process (this module again, with --section NAME) in a session of its own,
+under a hard timeout that ends the section's whole process tree (torchrun's workers included); a section
+that fails or times out is reported with the tail of its output and the next one starts. Most decisive
+first:
+  env      torch, CUDA and NCCL versions; GPUs (name, count, memory); whether flash-attn, liger-kernel and
+           triton import; a C compiler (inductor needs one for flex attention); PYTORCH_CUDA_ALLOC_CONF.
+  drafter  one training step (dflash_dist.step.drafter_step + AdamW) of the 5-layer drafter at Qwen3-8B
+           width, on the batch with the mean and the one with the most anchors of the 902K-sample plan
+           (configs/qwen3_8b.yaml: 49,152 tokens, 64 sequences, 512 anchors per sequence, its anchor
+           chunk). Attention warm-up (path, compile seconds; the SDPA fallback exercised too), step time,
+           peak memory against the memory model, graphs compiled after the warm-up.
+  target   transformers Qwen3 at the full Qwen3-8B shape, random bf16 weights built on the GPU, through
+           HFTarget.capture (layers 1, 9, 17, 25, 33; it stops after 33) over one 49,152-token batch with a
+           16K-token sequence: capture time, tokens/s, MFU, peak memory against the memory model, and
+           isolation (one sequence's tokens changed: every other sequence's features bitwise equal).
+  nccl     1 GPU: the embedded job with roles.mode=colocated under torchrun on NCCL; 2+ GPUs: packet vs raw
+           NCCL send of one reference-size packet (49,152 tokens x 5 x 4096 bf16, 1.9 GiB); 3+ GPUs: the
+           embedded job with 2 drafters per node and 2 epochs. Exit code, the "drafter replicas identical"
+           and "tail" lines, and no watchdog or timeout line.
+One table (section, metric, value, note) on stdout and a JSON file. Time: each section has a cap (CAPS)
+and none runs past the budget (470 s on one GPU, 590 s on several), so the check ends within 8 and 10
+minutes. Without CUDA (and without --dry-run) it says so and exits with status 2.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
-import statistics
+import re
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
-import warnings
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
-import torch
+import numpy as np
+import psutil
 
-from dflash_dist.bench import attention as attn_bench
-from dflash_dist.config import TargetConfig, default_target_layer_ids
-from dflash_dist.models import attention as attn
-from dflash_dist.models.drafter import DFlashDrafter, DraftSpec
-from dflash_dist.models.qwen3 import TinyQwen3
-from dflash_dist.objective import block_labels, dflash_loss
+from dflash_dist.config import Config, TargetConfig, default_target_layer_ids, load_config, loss_gamma
 
+# torch is imported where it is used: a section's process (and the hidden test section) starts in a
+# fraction of a second, and the parent process never loads what the sections measure.
+ROOT = Path(__file__).resolve().parents[2]
+SECTIONS = ("env", "drafter", "target", "nccl")
+HIDDEN = ("hang",)  # test hook: a section that never ends (tests/test_bench_smoke.py)
+CAPS = {"env": 30, "drafter": 240, "target": 150, "nccl": 80, "hang": 600}  # seconds; nccl: 220 on 2+ GPUs
+BUDGET_S = {1: 470, 2: 590}  # one GPU / several (and --dry-run)
 QWEN3_8B = TargetConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
                         num_kv_heads=8, head_dim=128, rope_theta=1e6, rms_eps=1e-6)
-TINY = TargetConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=6, num_heads=4,
-                    num_kv_heads=2, head_dim=16)
-# Dense bf16 tensor-core peaks from NVIDIA's datasheets (no sparsity), in TFLOP/s; --peak-tflops overrides.
+PLAN_SAMPLES = {False: 902_000, True: 3_000}  # the reference chat mix (bench.plan) / the dry run's
+LONG_SEQ = {False: 16_384, True: 96}  # the target batch's long sequence
+# Dense bf16 tensor-core peaks from NVIDIA's datasheets (no sparsity), in TFLOP/s.
 PEAK_TFLOPS = {"H200": 989, "H100 PCIe": 756, "H100": 989, "GH200": 989, "B200": 2250, "A100": 312, "L40S": 362,
                "A10": 125, "L4": 121}
+# A collective that timed out, or the heartbeat watchdog naming a silent or failed peer (dflash_dist.liveness).
+WATCHDOG = re.compile(r"(?i)watchdog caught|collective operation timeout|timed out|went silent|exiting instead of waiting")
 
+
+# -- the report ---------------------------------------------------------------------------------------
 
 class Report:
-    def __init__(self):
-        self.rows: list[tuple[str, str, str, str]] = []
-        self.data: dict[str, object] = {}
+    """A section's rows, rewritten to `path` after every row: a section killed at its timeout still
+    reports what it had measured."""
 
-    def add(self, section: str, what: str, value, note: str = "") -> None:
-        text = f"{value:.4g}" if isinstance(value, float) else str(value)
-        self.rows.append((section, what, text, note))
-        finite = not isinstance(value, float) or math.isfinite(value)
-        self.data.setdefault(section, {})[what] = value if finite else None
+    def __init__(self, path: Path | None = None):
+        self.path = path
+        self.rows: list[tuple[str, object, str]] = []
+        self.extra: dict[str, str] = {}
 
-    def print(self) -> None:
-        w = [max(len(r[i]) for r in self.rows + [("section", "check", "value", "")]) for i in range(3)]
-        print(f"\n{'section':<{w[0]}}  {'check':<{w[1]}}  {'value':>{w[2]}}  note")
-        for s, c, v, n in self.rows:
-            print(f"{s:<{w[0]}}  {c:<{w[1]}}  {v:>{w[2]}}  {n}")
+    def add(self, metric: str, value, note: str = "") -> None:
+        if isinstance(value, float) and not math.isfinite(value):
+            value = None
+        self.rows.append((metric, value, note))
+        self.save()
+
+    def save(self) -> None:
+        if self.path is not None:
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"rows": self.rows, **self.extra}, default=str))
+            os.replace(tmp, self.path)
 
 
-def sync(dev: torch.device) -> None:
+def fmt(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def print_table(results: dict[str, dict]) -> None:
+    rows = [(name, m, fmt(v), n) for name, r in results.items()
+            for m, v, n in [("status", r["status"], r.get("error", ""))] + [tuple(x) for x in r["rows"]]]
+    w = [max(len(r[i]) for r in rows + [("section", "metric", "value", "")]) for i in range(3)]
+    print(f"\n{'section':<{w[0]}}  {'metric':<{w[1]}}  {'value':>{w[2]}}  note")
+    for s, m, v, n in rows:
+        print(f"{s:<{w[0]}}  {m:<{w[1]}}  {v:>{w[2]}}  {n}")
+
+
+# -- running a process tree under a hard timeout ------------------------------------------------------
+
+def end_tree(proc: subprocess.Popen, grace: float = 5.0) -> None:
+    """SIGTERM to proc's session group and to every descendant (torchrun starts its workers in sessions of
+    their own, out of reach of the group), SIGKILL to whatever is left after `grace` seconds."""
+    try:
+        tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    for sig_all in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig_all)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for p in tree:
+            try:
+                p.send_signal(sig_all)
+            except psutil.NoSuchProcess:
+                pass
+        if sig_all == signal.SIGTERM:
+            _, alive = psutil.wait_procs(tree, timeout=grace)
+            tree = alive
+    proc.wait()
+
+
+def run_tree(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int | None, str, float]:
+    """(exit code, or None when it timed out and was ended; stdout+stderr; seconds)."""
+    t0 = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as out:  # a file, not a pipe: a chatty child never blocks on it
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                text=True, cwd=ROOT)
+        try:
+            rc = proc.wait(timeout=max(timeout, 0.1))
+        except subprocess.TimeoutExpired:
+            end_tree(proc)
+            rc = None
+        out.seek(0)
+        return rc, out.read(), time.perf_counter() - t0
+
+
+def run_sections(names: list[str], dry: bool, budget_s: float, caps: dict[str, float]) -> dict[str, dict]:
+    """Each section in its own process, one after the other, never past the budget."""
+    results: dict[str, dict] = {}
+    deadline = time.monotonic() + budget_s
+    scratch = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    for name in names:
+        left = deadline - time.monotonic()
+        if left < 5:
+            results[name] = {"status": "skipped", "error": f"the {budget_s:g} s budget is spent", "rows": []}
+            print(f"[gpu_check] {name}: skipped (budget spent)", flush=True)
+            continue
+        timeout = min(caps[name], left)
+        result = scratch / f"{name}.json"
+        cmd = [sys.executable, "-m", "dflash_dist.bench.gpu_check", "--section", name, "--result", str(result),
+               "--timeout-s", f"{timeout:.1f}"] + (["--dry-run"] if dry else [])
+        print(f"[gpu_check] {name}: running (at most {timeout:.0f} s)", flush=True)
+        rc, out, secs = run_tree(cmd, timeout)
+        data = json.loads(result.read_text()) if result.exists() else {"rows": []}
+        r = {"rows": data["rows"], "seconds": secs, "timeout_s": timeout}
+        if rc == 0:
+            r["status"] = "ok"
+        else:
+            r["status"] = "timed out" if rc is None else f"failed (exit {rc})"
+            last = [line for line in out.splitlines() if line.strip()]
+            r["error"] = data.get("error") or (f"ended after {timeout:.0f} s" if rc is None else (last or ["?"])[-1][:160])
+            r["log_tail"] = out[-4000:]
+            if "traceback" in data:
+                r["traceback"] = data["traceback"]
+        results[name] = r
+        print(f"[gpu_check] {name}: {r['status']} in {secs:.0f} s", flush=True)
+    return results
+
+
+# -- shared set-up ------------------------------------------------------------------------------------
+
+def device(dry: bool) -> torch.device:
+    import torch
+
+    return torch.device("cpu") if dry else torch.device("cuda", 0)
+
+
+def reference_config(dry: bool) -> Config:
+    """configs/qwen3_8b.yaml with the target described by its shape (kind=tiny: no model directory
+    needed); the dry run: the default (tiny) config, with a small anchor chunk so chunking runs."""
+    if dry:
+        return load_config(None, ["objective.anchor_chunk=24", "model.draft.num_layers=2"])
+    shape = [f"model.target.{k}={getattr(QWEN3_8B, k)}" for k in
+             ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+              "rope_theta", "rms_eps")]
+    return load_config(str(ROOT / "configs" / "qwen3_8b.yaml"), ["model.target.kind=tiny", *shape])
+
+
+def feature_layers(cfg: Config) -> list[int]:
+    d, t = cfg.model.draft, cfg.model.target
+    return list(d.target_layer_ids) or default_target_layer_ids(t.num_layers, d.num_feature_layers)
+
+
+def plan_batches(cfg: Config, dry: bool) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], dict]:
+    """The batch whose anchors are nearest the plan's mean and the one with the most, as (lengths,
+    supervised) per sample, from epoch 0 of the benchmark's chat mix at the config's budgets. Anchors
+    per sample: min(supervised, objective.num_anchors) (at most B fewer than draw_anchors finds)."""
+    from dflash_dist.bench.plan import chat_lengths
+    from dflash_dist.plan import build_plan
+
+    lengths, supervised = chat_lengths(PLAN_SAMPLES[dry], cfg.plan.token_budget, cfg.train.seed)
+    plan = build_plan(lengths, supervised, seed=cfg.train.seed, epoch=0, token_budget=cfg.plan.token_budget,
+                      max_seqs=cfg.plan.max_seqs)
+    per = np.add.reduceat(np.minimum(supervised, cfg.objective.num_anchors)[plan.indices], plan.offsets[:-1])
+    mean, worst = int(np.argmin(np.abs(per - per.mean()))), int(np.argmax(per))
+    pick = {name: (lengths[plan.batch(b)], supervised[plan.batch(b)]) for name, b in (("mean", mean), ("worst", worst))}
+    return pick, {"batches": len(plan), "mean_anchors": float(per.mean()), "max_anchors": int(per.max())}
+
+
+def packed_batch(lengths, supervised, vocab: int, dev: torch.device, seed: int = 0):
+    """A PackedBatch of random tokens (never the last id, the drafter's mask token) whose last
+    `supervised` tokens of every sequence carry the loss, as a chat sample's reply would."""
+    import torch
+
+    from dflash_dist.data.collate import PackedBatch
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.as_tensor(np.asarray(lengths), dtype=torch.long)
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.long)
+    cu[1:] = lengths.cumsum(0)
+    ids = torch.randint(0, vocab - 1, (int(cu[-1]),), generator=g)
+    pos = torch.arange(int(cu[-1])) - torch.repeat_interleave(cu[:-1], lengths)
+    first_sup = torch.repeat_interleave(lengths - torch.as_tensor(np.asarray(supervised), dtype=torch.long), lengths)
+    return PackedBatch(ids, pos >= first_sup, cu).to(dev)
+
+
+def predicted_peak(cfg: Config, role: str, dev: torch.device, lengths, anchors_per_seq=(), anchor_pos=(),
+                   attention: str = "flex") -> tuple[dict | None, str]:
+    """The memory model's prediction for `role` at this one batch, as this check runs it (one process:
+    no DDP buckets; one feature tensor alive, as one packet in flight), or (None, why not). Returns
+    ({"peak": GiB, "tensors": GiB without allocator slack and the CUDA context}, source)."""
+    import torch
+
+    try:
+        from dflash_dist import memory
+        lengths = [int(x) for x in lengths]
+        seq_anchors = tuple(int(x) for x in anchors_per_seq)
+        batch = memory.BatchShape(tokens=sum(lengths), seqs=len(lengths), anchors=sum(seq_anchors),
+                                  seq_lens=tuple(lengths), seq_anchors=seq_anchors,
+                                  anchor_pos=tuple(int(x) for x in anchor_pos))
+        cfg_one = replace(cfg, transport=replace(cfg.transport, max_in_flight=1))
+        device_gib = torch.cuda.get_device_properties(dev).total_memory / 2**30 if dev.type == "cuda" else 141.0
+        pred = memory.predict(cfg_one, memory.model_shapes(cfg_one), batch, device_gib,
+                              sharding=memory.Sharding(drafters=1, ddp=False, drafters_per_target=1),
+                              precision=memory.Precision.from_config(cfg_one, dev.type, attention=attention))
+        terms = pred.roles[role].terms
+    except Exception as exc:  # absent, or still being written: say why, keep the measurement
+        return None, f"n/a: memory model unavailable ({type(exc).__name__}: {str(exc)[:80]})"
+    total = sum(terms.values()) / 2**30
+    outside = (terms.get("slack", 0.0) + terms.get("cuda_reserved", 0.0)) / 2**30
+    return {"peak": total, "tensors": total - outside}, "dflash_dist.memory.predict"
+
+
+def peak_gib(dev: torch.device) -> tuple[float, float] | None:
+    """(max allocated, max reserved) GiB since the last reset: tensors, and the allocator's segments."""
+    import torch
+
+    if dev.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(dev) / 2**30, torch.cuda.max_memory_reserved(dev) / 2**30
+
+
+def reset_peak(dev: torch.device) -> None:
+    import torch
+
     if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
 
 
-def timed(fn, reps: int, warmup: int, dev: torch.device) -> float:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(reps):
-        sync(dev)
-        t0 = time.perf_counter()
-        fn()
-        sync(dev)
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
-
-
-def packed_lengths(tokens: int, lo: int, hi: int, seed: int = 0) -> list[int]:
-    s = attn_bench.Shape(tokens, lo, hi, 1, 1, 1, "float32", 1, 1)
-    return attn_bench.sample_lengths(s, torch.Generator().manual_seed(seed))
-
-
-# -- attention agreement ----------------------------------------------------------------------------
-
-def check_attention(rep: Report, dev: torch.device, dry: bool) -> None:
-    """Fast paths vs the reference on this device: fp32 for flex, bf16 for flash; drafter grads too."""
-    lengths = [1, 200, 129, 1, 317]
-    cu = torch.tensor([0] + lengths, device=dev).cumsum(0)
-    n, g = sum(lengths), torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(n, h, 64, generator=g).to(dev) for h in (8, 2, 2))
-    ref = attn.packed_causal_attention(q, k, v, cu, impl="ref")
-    rep.add("attention", "causal flex fp32 max|diff|",
-            float((attn.packed_causal_attention(q, k, v, cu, impl="flex") - ref).abs().max()))
-    if dev.type == "cuda" and attn.flash_available():
-        qb, kb, vb = (t.bfloat16() for t in (q, k, v))
-        d = (attn.packed_causal_attention(qb, kb, vb, cu, impl="flash")
-             - attn.packed_causal_attention(qb, kb, vb, cu, impl="ref"))
-        rep.add("attention", "causal flash bf16 max|diff|", float(d.abs().max()), "bf16 rounding is ~1e-2")
+def report_memory(rep: Report, what: str, measured: tuple[float, float] | None,
+                  predicted: tuple[dict | None, str]) -> None:
+    """Measured peaks against the model: its tensor terms against max allocated (the 0.85-1.15 target),
+    its total (with allocator slack, without the CUDA context) against max reserved."""
+    pred, why = predicted
+    if measured is None:
+        rep.add(f"{what} peak GiB", "n/a", "CPU: no allocator statistics")
     else:
-        rep.add("attention", "causal flash", "n/a", "needs CUDA and flash-attn")
-    B = 16
-    starts, ends = [], []
-    for s, L in zip(cu[:-1].tolist(), lengths):
-        for p in sorted({0, max(0, L - B)} | set(range(0, max(1, L - B), 37))):
-            starts.append(s), ends.append(s + p)
-    A = len(starts)
-    st, en = torch.tensor(starts, device=dev), torch.tensor(ends, device=dev)
-    leaves = [torch.randn(A, B, 8, 64, generator=g).to(dev), k, v,
-              torch.randn(A, B, 2, 64, generator=g).to(dev), torch.randn(A, B, 2, 64, generator=g).to(dev)]
-    outs, grads = {}, {}
-    for impl in ("ref", "flex"):
-        backward = dev.type == "cuda" or impl == "ref"  # flex has no backward on CPU
-        xs = [t.detach().clone().requires_grad_(backward) for t in leaves]
-        with torch.set_grad_enabled(backward):
-            out = attn.packed_block_attention(*xs, st, en, impl=impl)
-            if backward:
-                out.square().sum().backward()
-                grads[impl] = torch.cat([x.grad.flatten() for x in xs])
-        outs[impl] = out.detach()
-    rep.add("attention", "drafter flex fp32 max|diff|", float((outs["flex"] - outs["ref"]).abs().max()))
-    if "flex" in grads:
-        rep.add("attention", "drafter flex grad max|diff|", float((grads["flex"] - grads["ref"]).abs().max()))
+        rep.add(f"{what} peak GiB", measured[0], f"max allocated; reserved {measured[1]:.1f}")
+    rep.add(f"{what} predicted GiB", pred["peak"] if pred else "n/a",
+            f"{why}; tensors {pred['tensors']:.1f}" if pred else why)
+    if pred and measured:
+        rep.add(f"{what} predicted/measured", pred["tensors"] / measured[0], "tensor terms / max allocated; target 0.85-1.15")
+        rep.add(f"{what} predicted/reserved", (pred["peak"] - 1.0) / measured[1], "total less 1 GiB CUDA context / max reserved")
 
 
-# -- target forward ---------------------------------------------------------------------------------
+# -- env ------------------------------------------------------------------------------------------------
+
+def section_env(rep: Report, dry: bool, deadline: float) -> None:
+    import torch
+
+    from dflash_dist.models import attention as attn
+
+    rep.add("torch", torch.__version__, sys.version.split()[0])
+    rep.add("CUDA", torch.version.cuda or "none (CPU build)")
+    cuda = torch.cuda.is_available()
+    rep.add("NCCL", ".".join(map(str, torch.cuda.nccl.version())) if cuda else "n/a")
+    n = torch.cuda.device_count() if cuda else 0
+    props = [torch.cuda.get_device_properties(i) for i in range(n)]
+    kinds = sorted({(p.name, round(p.total_memory / 2**30), f"sm_{p.major}{p.minor}") for p in props})
+    rep.add("GPUs", n, "; ".join(f"{name}, {gib} GiB, {sm}" for name, gib, sm in kinds) or "none")
+    for mod in ("flash_attn", "liger_kernel", "triton"):
+        try:
+            m = importlib.import_module(mod)
+            rep.add(mod, "yes", str(getattr(m, "__version__", "")))
+        except Exception as exc:  # an import can fail in many ways (ABI, CUDA mismatch): all mean "no"
+            rep.add(mod, "no", f"{type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    version = ""
+    if cc:
+        res = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=10)
+        version = (res.stdout.splitlines() or [""])[0]
+    rep.add("C compiler", cc or "none", version or "inductor (flex attention) needs one")
+    rep.add("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "(unset)"),
+            "launch/run.sh sets expandable_segments:True unless set")
+    like = torch.empty(0, device=device(dry), dtype=torch.bfloat16)
+    rep.add("attention auto path", f"causal {attn.resolve(None, 'causal', like)}, block {attn.resolve(None, 'block', like)}",
+            "before any warm-up")
+
+
+# -- drafter ----------------------------------------------------------------------------------------
+
+def section_drafter(rep: Report, dry: bool, deadline: float) -> None:
+    import torch
+    from torch import nn
+
+    from dflash_dist.bench.common import timed
+    from dflash_dist.models import attention as attn
+    from dflash_dist.models.drafter import DFlashDrafter, DraftSpec
+    from dflash_dist.objective import draw_anchors
+    from dflash_dist.step import drafter_step
+
+    dev, cfg = device(dry), reference_config(dry)
+    t, o = cfg.model.target, cfg.objective
+    B, layer_ids = o.block_size, feature_layers(cfg)
+    batches, stats = plan_batches(cfg, dry)
+    rep.add("plan anchors per batch", f"mean {stats['mean_anchors']:.0f}, max {stats['max_anchors']}",
+            f"{stats['batches']} batches of {PLAN_SAMPLES[dry]} samples, budget {cfg.plan.token_budget}")
+    spec = DraftSpec(vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+                     num_layers=cfg.model.draft.num_layers, num_heads=t.num_heads, num_kv_heads=t.num_kv_heads,
+                     head_dim=t.head_dim, rope_theta=t.rope_theta, rms_eps=t.rms_eps, block_size=B,
+                     mask_token_id=t.vocab_size - 1, target_layer_ids=tuple(layer_ids), num_target_layers=t.num_layers)
+    compute = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    with torch.device(dev):  # parameters made where they live: no host copy of a 4 GB model
+        model = DFlashDrafter(spec, checkpoint_layers=cfg.model.draft.checkpoint_layers)
+        embed = nn.Embedding(t.vocab_size, t.hidden_size, dtype=compute)
+        head = nn.Linear(t.hidden_size, t.vocab_size, bias=False, dtype=compute)
+    model.attach_target_head(embed, head)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    rep.add("drafter", f"{spec.num_layers} layers, {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params",
+            f"anchor chunk {o.anchor_chunk or 'all'}, loss rows {o.loss_rows}, checkpoint_layers "
+            f"{cfg.model.draft.checkpoint_layers}")
+
+    # As the drafter role trains: bf16 autocast on CUDA, plain float32 on CPU; attention warmed first.
+    autocast_dtype = torch.bfloat16 if dev.type == "cuda" else None
+    heads = dict(heads=t.num_heads, kv_heads=t.num_kv_heads, head_dim=t.head_dim, block_size=B)
+    warm = attn.warm_up(dev, compute, ops=("block",), autocast_dtype=autocast_dtype, **heads)["block"]
+    rep.add("attention path", warm["path"], warm.get("flex_error", "auto"))
+    rep.add("attention warm-up s", warm["seconds"], f"graphs per layout {warm['graphs']} (the last must be 0)")
+    try:
+        fallback = attn.warm_up(dev, compute, ops=("block",), impl="sdpa", autocast_dtype=autocast_dtype, **heads)
+        rep.add("sdpa fallback fwd+bwd", "ok", f"{fallback['block']['seconds']:.1f} s")
+    except RuntimeError as exc:
+        rep.add("sdpa fallback fwd+bwd", "FAILED", str(exc)[:160])
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
+    gamma = loss_gamma(o)
+
+    for name, (lengths, supervised) in batches.items():
+        batch = packed_batch(lengths, supervised, t.vocab_size, dev)
+        anchors, anchor_cu = draw_anchors(batch.loss_mask, batch.cu_seqlens, B, o.num_anchors,
+                                          torch.Generator().manual_seed(1))
+        anchors, anchor_cu = anchors.to(dev), anchor_cu.to(dev)
+        feats = torch.randn(batch.num_tokens, len(layer_ids) * t.hidden_size, device=dev, dtype=compute)
+        A = anchors.numel()
+        rep.add(f"{name} batch", f"{batch.num_tokens} tok, {batch.num_seqs} seqs, {A} anchors",
+                f"longest {int(np.max(lengths))}")
+
+        def step():
+            drafter_step(model, batch, feats, None, anchors, anchor_cu, gamma=gamma, anchor_chunk=o.anchor_chunk,
+                         loss_rows=o.loss_rows, autocast=autocast)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        reset_peak(dev)
+        try:
+            first = timed(step, 1, 0, dev)
+            if name == "mean":  # the first step also allocates AdamW's state: time a second one
+                rep.add("mean first step s", first, "incl. optimizer state allocation")
+                first = timed(step, 1, 0, dev)
+        except torch.OutOfMemoryError as exc:
+            rep.add(f"{name} step", "OOM", str(exc).splitlines()[0][:160])
+            del feats, batch
+            continue
+        rep.add(f"{name} step s", first, f"{A / first:.0f} anchors/s")
+        seq = torch.repeat_interleave(torch.arange(batch.num_seqs, device=dev), anchor_cu.diff())
+        report_memory(rep, name, peak_gib(dev), predicted_peak(
+            cfg, "drafter", dev, lengths, anchor_cu.diff().tolist(), (anchors - batch.cu_seqlens[seq]).tolist(),
+            attention=attn.resolve(None, "block", feats)))
+        del feats, batch
+    rep.add("graphs compiled after warm-up", attn.backend.compile_stats()["late_graphs"], "target 0")
+
+
+# -- target -----------------------------------------------------------------------------------------
 
 def target_flops(tc: TargetConfig, lengths: list[int], layers: int) -> float:
     """Forward FLOPs of `layers` decoder layers: 2 per weight per token, plus causal attention scores
@@ -147,232 +422,235 @@ def target_flops(tc: TargetConfig, lengths: list[int], layers: int) -> float:
     return layers * (2 * weights * sum(lengths) + 4 * h * d * pairs)
 
 
-def peak_tflops(dev: torch.device, override: float | None) -> float | None:
-    if override:
-        return override
+def peak_tflops(dev: torch.device) -> float | None:
+    import torch
+
     if dev.type != "cuda":
         return None
     name = torch.cuda.get_device_name(dev)
     return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
 
 
-def build_target(tc: TargetConfig, dev: torch.device, dtype: torch.dtype) -> TinyQwen3:
-    """Parameters are created directly on the device in the compute dtype: no 32 GB fp32 copy on the host."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(dev):
-            model = TinyQwen3(tc)
-    finally:
-        torch.set_default_dtype(old)
-    return model.eval().requires_grad_(False)
+def target_lengths(tokens: int, long: int, seed: int = 0) -> list[int]:
+    """One `long` sequence, then chat-mix lengths (bench.plan) of at most half of it, up to `tokens`
+    (the last one cut to fit): the long one stays the longest."""
+    from dflash_dist.bench.plan import chat_lengths
+
+    rest, _ = chat_lengths(1024, tokens, seed)
+    out = [long]
+    for length in np.minimum(rest, long // 2).tolist():
+        out.append(min(length, tokens - sum(out)))
+        if sum(out) == tokens:
+            break
+    return [x for x in out if x > 0]
 
 
-def check_target(rep: Report, model: TinyQwen3, tc: TargetConfig, full_layers: int, lengths: list[int],
-                 dev: torch.device, args) -> None:
-    n = sum(lengths)
+def section_target(rep: Report, dry: bool, deadline: float) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from dflash_dist.bench.common import sync, timed
+    from dflash_dist.data.collate import position_ids
+    from dflash_dist.models import attention as attn
+    from dflash_dist.models.hf_target import HFTarget, _dtype_kwarg
+
+    dev, cfg = device(dry), reference_config(dry)
+    t = cfg.model.target
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    hf_cfg = Qwen3Config(vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+                         num_hidden_layers=t.num_layers, num_attention_heads=t.num_heads,
+                         num_key_value_heads=t.num_kv_heads, head_dim=t.head_dim, rope_theta=t.rope_theta,
+                         rms_norm_eps=t.rms_eps, max_position_embeddings=40960, tie_word_embeddings=False)
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    with torch.device(dev):  # straight onto the GPU in bf16: no 32 GB float32 copy on the host
+        target = HFTarget(AutoModelForCausalLM.from_config(hf_cfg, **{_dtype_kwarg(): dtype}))
+    sync(dev)
+    rep.add("build s", time.perf_counter() - t0, f"{t.num_layers} layers, random {str(dtype).split('.')[-1]}, on {dev}")
+    warm = attn.warm_up(dev, dtype, ops=("causal",), heads=t.num_heads, kv_heads=t.num_kv_heads, head_dim=t.head_dim)
+    rep.add("attention path", warm["causal"]["path"], warm["causal"].get("flex_error", "auto"))
+    rep.add("attention warm-up s", warm["causal"]["seconds"], f"graphs per layout {warm['causal']['graphs']}")
+
+    lengths = target_lengths(cfg.plan.token_budget, LONG_SEQ[dry])
+    n, layer_ids = sum(lengths), feature_layers(cfg)
     cu = torch.tensor([0] + lengths, device=dev).cumsum(0)
-    ids = torch.randint(0, tc.vocab_size, (n,), device=dev)
-    from dflash_dist.data.collate import position_ids
+    ids = torch.randint(0, t.vocab_size, (n,), device=dev, generator=None)
     pos = position_ids(cu)
-    scale = full_layers / tc.num_layers
-    peak = peak_tflops(dev, args.peak_tflops)
-    flops = target_flops(tc, lengths, full_layers)
-    note = f"{tc.num_layers} layers run, time x{scale:g}" if scale != 1 else f"{full_layers} layers"
-    rep.add("target", "batch", f"{n} tok / {len(lengths)} seqs", f"longest {max(lengths)}")
-    for impl in args.target_attn:
-        attn.set_default_impl(impl)
-        try:
-            with torch.no_grad():
-                t = timed(lambda: model.capture(ids, cu, pos, [tc.num_layers - 1]), args.reps, 1, dev) * scale
-        finally:
-            attn.set_default_impl("auto")
-        path = attn.resolve(impl, "causal", ids.new_empty(0, dtype=next(model.parameters()).dtype))
-        rep.add("target", f"forward s ({impl}->{path})", t, note)
-        rep.add("target", f"tokens/s ({impl}->{path})", n / t)
-        if peak:
-            rep.add("target", f"MFU ({impl}->{path})", flops / t / (peak * 1e12), f"peak {peak} TFLOP/s bf16 dense")
-    if not peak:
-        rep.add("target", "MFU", "n/a", "unknown GPU peak: pass --peak-tflops")
+    rep.add("batch", f"{n} tok, {len(lengths)} seqs", f"longest {max(lengths)}; layers {layer_ids}")
+
+    def capture(tokens):
+        return target.capture(tokens, cu, pos, layer_ids)[0]
+
+    t0 = time.perf_counter()
+    base = capture(ids)
+    sync(dev)
+    rep.add("first capture s", time.perf_counter() - t0, "incl. any compile and autotuning")
+    reset_peak(dev)
+    sec = timed(lambda: capture(ids), 2, 0, dev)
+    layers = max(layer_ids) + 1  # capture stops after the last captured layer
+    flops = target_flops(t, lengths, layers)
+    peak = peak_tflops(dev)
+    rep.add("capture s", sec, f"{layers} layers; median of 2")
+    rep.add("tokens/s", n / sec)
+    rep.add("MFU", flops / sec / (peak * 1e12) if peak else "n/a",
+            f"{flops / 1e12:.0f} TFLOP incl. attention; peak {peak} TFLOP/s bf16 dense" if peak else "unknown peak")
+    report_memory(rep, "capture", peak_gib(dev), predicted_peak(cfg, "target", dev, lengths))
+    attn.backend.use("ref")  # the reference loop (one SDPA call per sequence) for comparison
+    try:
+        ref = timed(lambda: capture(ids), 1, 0, dev)
+        rep.add("tokens/s (ref path)", n / ref, "one SDPA call per sequence and layer")
+    finally:
+        attn.backend.use(None)
+
+    # Isolation: new tokens in sequence 1 leave every other sequence's features bitwise as they were.
+    s, e = int(cu[1]), int(cu[2])
+    changed = ids.clone()
+    changed[s:e] = torch.randint(0, t.vocab_size, (e - s,), device=dev)
+    other = capture(changed)
+    keep = torch.ones(n, dtype=torch.bool, device=dev)
+    keep[s:e] = False
+    equal = bool(torch.equal(base[keep], other[keep]))
+    moved = not torch.equal(base[s:e], other[s:e])
+    rep.add("isolation", "ok" if equal and moved else "FAILED",
+            f"other sequences bitwise equal: {equal}; changed sequence's features changed: {moved}")
 
 
-# -- drafter step -----------------------------------------------------------------------------------
+# -- nccl -------------------------------------------------------------------------------------------
 
-def check_drafter(rep: Report, target: TinyQwen3, tc: TargetConfig, lengths: list[int], dev: torch.device,
-                  args) -> None:
-    B = 16
-    ids_layers = tuple(default_target_layer_ids(tc.num_layers, 5 if tc.num_layers >= 8 else 2))
-    n = sum(lengths)
-    cu = torch.tensor([0] + lengths).cumsum(0)
-    g = torch.Generator().manual_seed(3)
-    per_seq = -(-args.anchors // len(lengths))
-    anchors, counts = [], []
-    for s, L in zip(cu[:-1].tolist(), lengths):
-        pick = sorted(torch.randperm(max(0, L - B + 1), generator=g)[:per_seq].tolist())
-        anchors += [s + p for p in pick]
-        counts.append(len(pick))
-    anchors_t = torch.tensor(anchors, device=dev)
-    anchor_cu = torch.tensor([0] + counts, device=dev).cumsum(0)
-    cu, ids = cu.to(dev), torch.randint(0, tc.vocab_size - 1, (n,), device=dev)
-    from dflash_dist.data.collate import position_ids
-    pos, mask = position_ids(cu), torch.ones(n, dtype=torch.bool, device=dev)
-    feats = torch.randn(n, len(ids_layers) * tc.hidden_size, device=dev, dtype=next(target.parameters()).dtype)
-    labels, weights = block_labels(ids, mask, cu, anchors_t, anchor_cu, B, 7.0)
-    # As the drafter role trains: bf16 autocast on CUDA, plain float32 on CPU.
-    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda")
-    A = len(anchors)
-    rep.add("drafter", "anchors / block", f"{A} / {B}", f"{per_seq} per sequence at most")
-    t_start = time.perf_counter()
-    for layers in args.draft_layers:
-        if time.perf_counter() - t_start > args.budget_s / 3:
-            rep.add("drafter", f"{layers}-layer", "skipped", "drafter section past a third of the budget")
-            continue
-        spec = DraftSpec(vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
-                         num_layers=layers, num_heads=tc.num_heads, num_kv_heads=tc.num_kv_heads, head_dim=tc.head_dim,
-                         rope_theta=tc.rope_theta, rms_eps=tc.rms_eps, block_size=B, mask_token_id=tc.vocab_size - 1,
-                         target_layer_ids=ids_layers, num_target_layers=tc.num_layers)
-        with torch.device(dev):
-            model = DFlashDrafter(spec)
-        model.attach_target_head(target.embed_tokens, target.lm_head)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-
-        def step():
-            with autocast:
-                logits = model(feats, ids, cu, pos, anchors_t, anchor_cu)
-            loss, _ = dflash_loss(logits, labels, weights)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        t = timed(step, args.reps, 1, dev)
-        rep.add("drafter", f"{layers}-layer step ms", t * 1e3)
-        rep.add("drafter", f"{layers}-layer us/anchor", t * 1e6 / A)
-        del model, opt
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-
-
-# -- transport --------------------------------------------------------------------------------------
-
-def check_transport(rep: Report, dev: torch.device, args) -> None:
+def packet_vs_raw(rep: Report, dry: bool) -> None:
     from dflash_dist.bench import transport
 
-    if dev.type == "cuda" and torch.cuda.device_count() < 2:
-        rep.add("transport", "NCCL send/recv", "n/a", "needs two GPUs")
-        return
-    out = Path(tempfile.mkdtemp()) / "transport.json"
-    sizes = ["1"] if args.dry_run else ["16", "128", "1024"]
-    real = "8" if args.dry_run else str(args.tokens)
-    feat = "64" if args.dry_run else str(5 * 4096)
-    transport.main(["--sizes", *sizes, "--real-tokens", real, "--feat-dim", feat, "--reps", "5",
-                    "--backend", "gloo" if dev.type == "cpu" else "nccl", "--json", str(out)])
-    for r in json.loads(out.read_text())["rows"]:
-        rep.add("transport", f"{r['case']} GiB/s packet | raw", f"{r['packet_gib_s']:.2f} | {r['raw_gib_s']:.2f}",
-                f"packet/raw {r['packet/raw']:.2f}")
+    out = Path(tempfile.mkdtemp(prefix="gpu-check-transport-")) / "transport.json"
+    tokens, feat = (64, 64) if dry else (49_152, 5 * 4096)
+    transport.main(["--sizes", "--real-tokens", str(tokens), "--feat-dim", str(feat), "--reps", "2" if dry else "5",
+                    "--warmup", "1", "--no-fresh", "--backend", "gloo" if dry else "nccl", "--json", str(out)])
+    r = json.loads(out.read_text())["rows"][-1]
+    rep.add("packet GiB/s | raw GiB/s", f"{r['packet_gib_s']:.3g} | {r['raw_gib_s']:.3g}",
+            f"{r['bytes'] / 2**30:.2f} GiB packet, GPU 0 -> 1" if not dry else "gloo")
+    rep.add("packet/raw", float(r["packet/raw"]), "median of per-repetition ratios")
 
 
-# -- a short disaggregated run -----------------------------------------------------------------------
-
-def check_run(rep: Report, dev: torch.device, args) -> None:
-    nproc = min(torch.cuda.device_count(), 8) if dev.type == "cuda" else 2
-    if nproc < 2:
-        rep.add("run", "NCCL run", "n/a", "needs two GPUs")
-        return
-    run_dir = Path(tempfile.mkdtemp())
-    # The embedded tiny job, one epoch, no evaluation: the point is the NCCL path, start to finish.
-    size = ["data.synthetic.num_samples=80", "data.synthetic.max_len=120"] if args.dry_run else []
+def embedded_job(rep: Report, label: str, nproc: int, overrides: list[str], timeout: float,
+                 env: dict | None = None) -> None:
+    """The embedded tiny job under torchrun: exit code, the replicas and tail lines, no watchdog line."""
+    run_dir = tempfile.mkdtemp(prefix="gpu-check-run-")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "dflash_dist.train", f"dist.backend={'nccl' if dev.type == 'cuda' else 'gloo'}", "train.epochs=1",
-           "train.eval_prompts=0", "wandb.mode=disabled", f"train.run_dir={run_dir}", f"data.cache_dir={run_dir}",
-           *size]
-    t0 = time.perf_counter()
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.run_timeout_s,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
-    wall = time.perf_counter() - t0
-    rep.add("run", f"torchrun {nproc} ranks exit code", res.returncode, f"{wall:.0f} s wall, incl. start-up")
-    if res.returncode != 0:
-        rep.data["run"]["log_tail"] = (res.stdout + res.stderr)[-4000:]
-        return
-    sm = json.loads((run_dir / "summary.json").read_text())
-    rep.add("run", "targets / drafters", f"{sm['num_targets']} / {sm['num_drafters']}")
-    rep.add("run", "tokens/s (training)", float(sm["tok_per_s"]), f"{sm['tokens']} tokens, {sm['steps']} steps")
-    rep.add("run", "wait targets / drafters", f"{sm['wait_targets']:.0%} / {sm['wait_drafters']:.0%}",
-            f"bottleneck: {sm['balance']['bottleneck']}" if sm.get("balance") else "")
+           "-m", "dflash_dist.train", "wandb.mode=disabled", "train.eval_prompts=0", "train.export=false",
+           "train.resume=none", f"train.run_dir={run_dir}", f"data.cache_dir={run_dir}", *overrides]
+    rc, out, secs = run_tree(cmd, timeout, dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+    lines = out.splitlines()
+    rep.add(f"{label} exit code", "timed out" if rc is None else rc, f"{nproc} ranks, {secs:.0f} s wall; {' '.join(overrides)}")
+    same = [line.split("drafter replicas identical: ")[-1] for line in lines if "drafter replicas identical" in line]
+    rep.add(f"{label} replicas identical", same[-1] if same else "missing")
+    tails = [line.split("; tail: ")[-1] for line in lines if "; tail: " in line]
+    rep.add(f"{label} tail lines", len(tails), tails[-1][:100] if tails else "")
+    bad = [line for line in lines if WATCHDOG.search(line)]
+    rep.add(f"{label} watchdog/timeout lines", len(bad), bad[0][:160] if bad else "")
+    summary = Path(run_dir) / "summary.json"
+    if summary.exists():
+        sm = json.loads(summary.read_text())
+        rep.add(f"{label} tokens/s", float(sm["tok_per_s"]), f"{sm.get('steps', '?')} steps")
+    if rc != 0:
+        rep.extra[f"{label}_log_tail"] = out[-4000:]
+        rep.save()
+
+
+def section_nccl(rep: Report, dry: bool, deadline: float) -> None:
+    gpus = 0 if dry else torch.cuda.device_count()
+    rep.add("ranks", 2 if dry else gpus, "gloo on CPU (dry run)" if dry else "NCCL, one rank per GPU")
+    if dry or gpus >= 2:
+        packet_vs_raw(rep, dry)
+    left = deadline - time.monotonic() - 10
+    if dry:
+        embedded_job(rep, "colocated", 2, ["dist.backend=gloo", "roles.mode=colocated", "train.epochs=2",
+                                           "data.synthetic.num_samples=80", "data.synthetic.max_len=120"], left)
+    elif gpus == 1:
+        # sdpa: this run checks NCCL start to finish; flex compiles are the drafter section's subject.
+        embedded_job(rep, "colocated", 1, ["dist.backend=nccl", "roles.mode=colocated", "train.epochs=1"], left,
+                     env={"DFLASH_ATTN": "sdpa"})
+    if gpus >= 3:
+        embedded_job(rep, "2 drafters", min(gpus, 8), ["dist.backend=nccl", "roles.drafters_per_node=2",
+                                                       "train.epochs=2"], left)
+
+
+def section_hang(rep: Report, dry: bool, deadline: float) -> None:
+    """Test hook: never ends, with a child in a session of its own (as torchrun's workers are)."""
+    child = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    rep.add("pids", f"{os.getpid()} {child.pid}")
+    time.sleep(600)
+
+
+RUNNERS: dict[str, Callable[[Report, bool, float], None]] = {
+    "env": section_env, "drafter": section_drafter, "target": section_target, "nccl": section_nccl,
+    "hang": section_hang}
+
+
+def run_one(name: str, result: Path, dry: bool, timeout_s: float) -> int:
+    """The body of a section's process: its rows go to `result` as they come."""
+    import logging
+    import warnings
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+    rep = Report(result)
+    try:
+        RUNNERS[name](rep, dry, time.monotonic() + timeout_s)
+    except Exception as exc:
+        rep.extra.update(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}",
+                         traceback=traceback.format_exc())
+        rep.save()
+        traceback.print_exc()
+        return 1
+    return 0
 
 
 # -- main -------------------------------------------------------------------------------------------
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (or on the GPU if there is one)")
-    p.add_argument("--layers", type=int, default=36, help="target layers to run (time is scaled to 36)")
-    p.add_argument("--tokens", type=int, default=49152)
-    p.add_argument("--draft-layers", type=int, nargs="*", default=[1, 5])
-    p.add_argument("--anchors", type=int, default=1024, help="anchors per batch for the drafter step")
-    p.add_argument("--target-attn", nargs="*", default=["auto", "ref"])
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--peak-tflops", type=float, default=None)
-    p.add_argument("--skip", nargs="*", default=[], choices=["attention", "target", "drafter", "transport", "run"])
-    p.add_argument("--run-timeout-s", type=float, default=150, help="limit of the end-to-end torchrun run")
-    p.add_argument("--budget-s", type=float, default=240, help="start no new section after this many seconds")
+    p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU, gloo: exercises every section")
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, in order (default: all of {SECTIONS})")
     p.add_argument("--json", default="runs/bench/gpu_check.json")
-    return p.parse_args(argv)
+    p.add_argument("--budget-s", type=float, default=None, help="whole check (default 470 s on 1 GPU, 590 s on more)")
+    p.add_argument("--timeouts", default="", help="per-section caps, e.g. drafter=300,nccl=120")
+    p.add_argument("--section", help=argparse.SUPPRESS)  # a section's own process
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--timeout-s", type=float, default=0.0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.names = [s for s in args.sections.split(",") if s]
+    bad = [s for s in args.names if s not in SECTIONS + HIDDEN]
+    if bad:
+        p.error(f"--sections: unknown {bad}; choose from {SECTIONS}")
+    return args
 
 
 def main(argv=None) -> int:
     args = parse(argv)
+    if args.section:
+        return run_one(args.section, Path(args.result), args.dry_run, args.timeout_s)
+    import torch
+
     if not torch.cuda.is_available() and not args.dry_run:
         print("gpu_check: no CUDA device here. It measures GPUs; run it on a GPU machine, or pass --dry-run "
               "to exercise every section at tiny shapes on CPU.", file=sys.stderr)
         return 2
-    dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-    if args.dry_run:
-        tc, dtype, full = TINY, torch.float32, TINY.num_layers
-        lengths = packed_lengths(256, 1, 96)
-        args.anchors, args.draft_layers, args.reps = 16, [1], 1
-        attn.flex_compile = dev.type == "cuda"  # compiling flex on CPU takes minutes
-    else:
-        full = QWEN3_8B.num_layers
-        tc, dtype = replace(QWEN3_8B, num_layers=min(args.layers, full)), torch.bfloat16
-        lengths = packed_lengths(args.tokens, 64, 4096)
-    rep = Report()
-    rep.add("machine", "device", torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (dry run)",
-            f"{torch.cuda.device_count()} GPU(s)" if dev.type == "cuda" else "")
-    rep.add("machine", "torch / flash-attn", f"{torch.__version__} / {attn.flash_available()}")
+    gpus = 2 if args.dry_run else torch.cuda.device_count()
+    caps = dict(CAPS, nccl=220 if gpus >= 2 and not args.dry_run else CAPS["nccl"])
+    caps.update({k: float(v) for k, v in (item.split("=") for item in args.timeouts.split(",") if item)})
+    budget = args.budget_s or BUDGET_S[min(gpus, 2)]
     t0 = time.perf_counter()
-    target = None
-    # Transport and the run before the model is built: their processes then have the GPUs to themselves.
-    for section in ("attention", "transport", "run", "target", "drafter"):
-        if section in args.skip:
-            continue
-        if time.perf_counter() - t0 > args.budget_s:
-            rep.add(section, "skipped", f"past the {args.budget_s:g} s budget")
-            continue
-        ts = time.perf_counter()
-        try:
-            if section == "attention":
-                check_attention(rep, dev, args.dry_run)
-            elif section in ("target", "drafter"):
-                if target is None:
-                    target = build_target(tc, dev, dtype)
-                if section == "target":
-                    check_target(rep, target, tc, full, lengths, dev, args)
-                else:
-                    check_drafter(rep, target, tc, lengths, dev, args)
-            elif section == "run":
-                check_run(rep, dev, args)
-            else:
-                check_transport(rep, dev, args)
-        except Exception as exc:  # one failing section must not hide the others' figures
-            rep.add(section, "error", f"{type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}")
-            rep.data[section]["traceback"] = traceback.format_exc()
-        rep.add(section, "section s", time.perf_counter() - ts)
-    rep.add("machine", "total s", time.perf_counter() - t0)
-    rep.print()
+    results = run_sections(args.names, args.dry_run, budget, caps)
+    total = time.perf_counter() - t0
+    print_table(results)
+    print(f"\ntotal {total:.0f} s (budget {budget:g} s){'; dry run on CPU' if args.dry_run else ''}")
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rep.data, indent=2, default=str) + "\n")
+    meta = {"dry_run": args.dry_run, "budget_s": budget, "total_s": total, "date": time.strftime("%Y-%m-%d %H:%M"),
+            "host": os.uname().nodename}
+    sections = {name: {**{k: v for k, v in r.items() if k != "rows"},
+                       "values": {m: v for m, v, _ in r["rows"]}, "notes": {m: n for m, _, n in r["rows"]}}
+                for name, r in results.items()}
+    out.write_text(json.dumps({"meta": meta, "sections": sections}, indent=2, default=str) + "\n")
     print(f"wrote {out}")
     return 0
 

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dflash_dist.bench.common import sync
 from dflash_dist.data.collate import PackedBatch
 from dflash_dist import transport
 from dflash_dist.transport import HEADER_LEN, PacketSender, PendingPacket
@@ -63,24 +64,19 @@ def packet_bytes(batch: PackedBatch, feat_dim: int) -> int:
     return 8 * (HEADER_LEN + 2 * batch.num_tokens + batch.num_seqs + 1) + 2 * batch.num_tokens * feat_dim
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed(rank: int, device: torch.device, send_fn, recv_fn, ack: torch.Tensor) -> float:
     """Seconds from rank 0 starting the send until rank 1 has acknowledged the data (rank 0 only)."""
     dist.barrier()
-    _sync(device)
+    sync(device)
     if rank == 0:
         t0 = time.perf_counter()
         send_fn()
         dist.recv(ack, 1)
-        _sync(device)
+        sync(device)
         return time.perf_counter() - t0
     if rank == 1:
         recv_fn()
-        _sync(device)
+        sync(device)
         dist.send(ack, 0)
     return 0.0
 
