@@ -294,16 +294,22 @@ def _replica_meshes(tp_group, device_type: str, expert_parallel: bool):
     return dense, experts
 
 
+def _transformers_tp_available() -> bool:
+    """transformers >= 5 with the mesh constructor `_transformers_mesh` redirects (older: engine "torch")."""
+    try:
+        import transformers.distributed.mixin as mixin
+    except ImportError:
+        return False
+    return hasattr(mixin, "initialize_distributed_mesh")
+
+
 @contextlib.contextmanager
 def _transformers_mesh(dense, experts, device: torch.device):
     """Points transformers' mesh construction at the replica's meshes while from_pretrained runs (see the
     module docstring: its own builds a mesh over the whole world)."""
     import transformers.distributed.mixin as mixin
     from transformers.distributed.utils import TransformersDeviceMesh
-    original = getattr(mixin, "initialize_distributed_mesh", None)
-    if original is None:
-        raise RuntimeError("this transformers has no distributed.mixin.initialize_distributed_mesh to point at a "
-                           "replica's mesh; load the target with engine='torch'")
+    original = mixin.initialize_distributed_mesh
     n = dense.size(3)
 
     def replica_mesh(distributed_config):
@@ -378,7 +384,11 @@ def load_hf_target(path: str | Path, dtype: torch.dtype, device: torch.device, v
         cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
         _check_shardable(cfg.get_text_config(), n, expert_parallel)
         if engine == "auto":
-            engine = "transformers" if getattr(cfg, "base_model_tp_plan", None) else "torch"
+            has_plan = bool(getattr(cfg, "base_model_tp_plan", None))
+            engine = "transformers" if has_plan and _transformers_tp_available() else "torch"
+        if engine == "transformers" and not _transformers_tp_available():
+            raise RuntimeError("this transformers cannot load a model sharded over a process group (needs "
+                               "transformers >= 5 with distributed.mixin); use engine='torch'")
         if engine == "torch":
             if expert_parallel:
                 raise ValueError("expert parallelism needs transformers' engine (a config with a TP plan)")
