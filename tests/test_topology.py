@@ -134,7 +134,8 @@ def test_one_rank_replicas_route_as_before_and_origin_restarts_the_round_robin()
 
 @pytest.mark.parametrize("world, local, d, tp, keys", [
     (8, 8, 1, 2, ["model.target.tensor_parallel", "roles.drafters_per_node"]),  # 7 target ranks, replicas of 2
-    (16, 8, 2, 4, ["model.target.tensor_parallel", "roles.drafters_per_node"]),  # 6 per node: a replica would span nodes
+    # 6 target ranks per node: a replica of 4 would span nodes
+    (16, 8, 2, 4, ["model.target.tensor_parallel", "roles.drafters_per_node"]),
     (8, 8, 2, 0, ["model.target.tensor_parallel"]),
 ])
 def test_impossible_replica_layouts_are_refused_naming_the_keys(world, local, d, tp, keys):

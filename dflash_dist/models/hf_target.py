@@ -352,8 +352,8 @@ def _load_torch_tp(path: Path, dtype: torch.dtype, tp_group, device_type: str):
             if isinstance(modules.get(name), nn.Linear):
                 plan[f"{i}.{name}"] = styles[style]()
             elif name.startswith("self_attn"):
-                raise NotImplementedError(f"{type(hf).__name__}: layer {i} has no nn.Linear {name}; tensor "
-                                          "parallelism without a transformers TP plan needs separate q/k/v/o projections")
+                raise NotImplementedError(f"{type(hf).__name__}: layer {i} has no nn.Linear {name}; tensor parallelism "
+                                          "without a transformers TP plan needs separate q/k/v/o projections")
     mesh = DeviceMesh.from_group(tp_group, device_type, mesh_dim_names=("tp",))
     parallelize_module(layers, mesh, plan)
     return hf
@@ -378,7 +378,8 @@ def load_hf_target(path: str | Path, dtype: torch.dtype, device: torch.device, v
     n = dist.get_world_size(tp_group) if tp_group is not None else 1
     if n == 1:
         if expert_parallel:
-            raise ValueError("expert parallelism needs a target replica of several ranks (model.target.tensor_parallel > 1)")
+            raise ValueError("expert parallelism needs a target replica of several ranks "
+                             "(model.target.tensor_parallel > 1)")
         hf = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, **{_dtype_kwarg(): dtype})
     else:
         cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
