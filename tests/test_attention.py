@@ -264,6 +264,22 @@ def test_warm_up_falls_back_when_flex_backward_fails(monkeypatch, caplog):
     torch.testing.assert_close(got, per_sequence_reference(q, k, v, kb, vb, starts, ends), **TOL)
 
 
+def test_flex_failure_mid_run_falls_back_once_for_a_shared_prepared_mask(monkeypatch, caplog):
+    """Without a warm-up, the first layer that fails gives the op its fallback; the chunk's later layers
+    reuse the same prepared flex mask and go straight to the fallback, with no second warning."""
+    monkeypatch.setattr(attn.AttentionBackend, "flex_eligible", lambda self, op, x: op not in self.failed)
+    q, k, v, kb, vb, starts, ends = drafter_case(LAYOUTS["with_len1"], 4, 2)
+    prep = attn.prepare_block_attention(starts, ends, k.shape[0], *q.shape[:2], like=q)
+    assert prep.path == "flex"
+    want = per_sequence_reference(q, k, v, kb, vb, starts, ends)
+    with caplog.at_level(logging.WARNING, logger=attn.__name__):
+        for _ in range(3):  # three "layers"; on CPU flex refuses inputs that need a gradient
+            leaves = [t.clone().requires_grad_() for t in (q, k, v, kb, vb)]
+            got = attn.packed_block_attention(*leaves, starts, ends, prepared=prep)
+            torch.testing.assert_close(got, want, **TOL)
+    assert sum("flex attention failed" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_warm_up_raises_for_an_explicit_path_that_fails():
     with pytest.raises(RuntimeError, match="the block op's 'flex' path failed on cpu"):
         attn.warm_up(torch.device("cpu"), torch.float32, ops=("block",), impl="flex", **WARM)

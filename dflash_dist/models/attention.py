@@ -158,9 +158,12 @@ class AttentionBackend:
         return out
 
     def fallback(self, impl: str | None, op: str, fast: Callable[[], Tensor], slow: Callable[[], Tensor]) -> Tensor:
-        """Run the flex path; under "auto" a failure gives this op its fallback from now on, loudly."""
+        """Run the flex path; under "auto" a failure gives this op its fallback from now on, loudly (a
+        prepared flex mask that outlived the failure, in the chunk's later layers, goes there too)."""
         if (impl or self.default_impl()) != "auto":
             return fast()
+        if op in self.failed:
+            return slow()
         try:
             return fast()
         except torch.OutOfMemoryError:
@@ -237,8 +240,6 @@ class PreparedBlockAttention:
     by the draft layers (they all see the same blocks and bounds). Opaque to callers."""
     path: str  # "flex" | "sdpa" | "ref"
     impl: str | None  # as asked (None = default): decides whether a flex failure may fall back
-    ctx_start: Tensor
-    ctx_end: Tensor
     kv_len_ctx: int
     num_blocks: int
     block_size: int
@@ -252,8 +253,7 @@ def prepare_block_attention(ctx_start: Tensor, ctx_end: Tensor, kv_len_ctx: int,
     blocks (sdpa/ref: one host synchronisation here instead of one per layer). kv_len_ctx: rows of the
     packed context (N); num_blocks (A) and block_size (B): the shape of q (A, B, h, d)."""
     path = backend.resolve(impl, "block", like)
-    common = dict(path=path, impl=impl, ctx_start=ctx_start, ctx_end=ctx_end, kv_len_ctx=kv_len_ctx,
-                  num_blocks=num_blocks, block_size=block_size)
+    common = dict(path=path, impl=impl, kv_len_ctx=kv_len_ctx, num_blocks=num_blocks, block_size=block_size)
     if path == "flex":
         try:
             return PreparedBlockAttention(**common, mask=_block_mask(ctx_start, ctx_end, kv_len_ctx, num_blocks,
