@@ -305,7 +305,8 @@ def section_env(rep: Report, dry: bool, deadline: float) -> None:
     rep.add("torch", torch.__version__, sys.version.split()[0])
     rep.add("CUDA", torch.version.cuda or "none (CPU build)")
     cuda = torch.cuda.is_available()
-    rep.add("NCCL", ".".join(map(str, torch.cuda.nccl.version())) if cuda else "n/a")
+    nccl = torch.cuda.nccl.version() if cuda else "n/a"  # a tuple in recent torch, an int in older ones
+    rep.add("NCCL", ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl))
     n = torch.cuda.device_count() if cuda else 0
     props = [torch.cuda.get_device_properties(i) for i in range(n)]
     kinds = sorted({(p.name, round(p.total_memory / 2**30), f"sm_{p.major}{p.minor}") for p in props})
