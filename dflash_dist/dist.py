@@ -31,6 +31,7 @@ class DistContext:
     device: torch.device
     ctrl_group: Any  # gloo, all ranks
     drafter_group: Any  # data backend, drafters only
+    replica_group: Any = None  # data backend: this target rank's replica (tensor_parallel > 1), else None
 
     @property
     def role(self) -> str:
@@ -93,8 +94,13 @@ def init_distributed(backend_req: str, timeout_s: float, layout: Layout) -> Dist
     ctrl = dist.new_group(backend="gloo", timeout=timeout)
     # new_group is collective: every rank creates the drafter group, drafters use it.
     drafters = dist.new_group(layout.drafter_ranks(), backend=backend, timeout=timeout)
+    replica = None
+    if layout.tensor_parallel > 1:  # every rank creates every replica's group, in the same order
+        for ranks in layout.replica_groups():
+            g = dist.new_group(ranks, backend=backend, timeout=timeout)
+            replica = g if rank in ranks else replica
     return DistContext(rank=rank, world_size=world, local_rank=local_rank, layout=layout, backend=backend,
-                       device=device, ctrl_group=ctrl, drafter_group=drafters)
+                       device=device, ctrl_group=ctrl, drafter_group=drafters, replica_group=replica)
 
 
 def teardown() -> None:

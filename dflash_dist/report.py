@@ -92,8 +92,8 @@ class Reporter(NullReporter):
         """tau by real draft-then-verify decoding on held-out prompts of the synthetic corpus (prepared
         data: `python -m dflash_dist.evaluate` after the run, where the whole target can be loaded)."""
         cfg = self.run.cfg
-        if cfg.train.eval_prompts <= 0 or cfg.data.path:
-            return None
+        if cfg.train.eval_prompts <= 0 or cfg.data.path or cfg.model.target.tensor_parallel > 1:
+            return None  # (rank 0 then holds only the target's head)
         from dflash_dist.evaluate import acceptance_length, heldout_prompts
         t0 = time.time()
         r = acceptance_length(self.run.target, self.state.model, heldout_prompts(cfg, cfg.train.eval_prompts),

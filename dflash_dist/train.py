@@ -68,8 +68,14 @@ def build(cfg: Config, ctx: DistContext, stop_flag: StopFlag, lock: RunLock) -> 
                 log.warning("removed leftovers of an interrupted save or prune: %s", ", ".join(removed))
         # With prepared data a drafter needs only the target's embedding and LM head (the in-run tau
         # evaluation and the regenerated corpus, which need all of it, belong to the synthetic data).
-        head_only = ctx.role == "drafter" and bool(cfg.data.path)
-        target = build_target(cfg, ctx.device, head_only=head_only)
+        # A target replica larger than one GPU holds no whole target on any rank: its drafters too
+        # take only the head (and tau is measured after the run, by dflash_dist.evaluate).
+        head_only = ctx.role == "drafter" and (bool(cfg.data.path) or cfg.model.target.tensor_parallel > 1)
+        target = build_target(cfg, ctx.device, head_only=head_only, tp_group=ctx.replica_group)
+        if head_only and not cfg.data.path and cfg.data.synthetic.regenerate:
+            raise ConfigError("config key 'data.synthetic.regenerate': regenerating the corpus needs the whole "
+                              "target on rank 0, which a tensor-parallel run does not hold; set it to false, or "
+                              "prepare the data and regenerate it offline (python -m dflash_dist.data.regenerate)")
         spec = draft_spec(cfg, target)
         # A regenerated corpus is made once, by rank 0, while the others wait in the vote below; a
         # prepared dataset is opened (and validated) by every rank before the vote.
@@ -171,7 +177,8 @@ def main(argv=None) -> int:
         if world < 2 and not colocated:
             raise ConfigError("dflash_dist.train needs at least 2 ranks (a target and a drafter): run "
                               "torchrun --nproc_per_node=N with N >= 2, or roles.mode=colocated for one process")
-        layout = Layout(world, local_world, cfg.roles.drafters_per_node, colocated=colocated)
+        layout = Layout(world, local_world, cfg.roles.drafters_per_node, colocated=colocated,
+                        tensor_parallel=cfg.model.target.tensor_parallel)
     except (ConfigError, TopologyError, RuntimeError) as exc:
         # Every rank parses the same config, so every rank stops here alike, before any group forms.
         logging.basicConfig(format="%(levelname)s: %(message)s")

@@ -16,9 +16,10 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def build_target(cfg: Config, device: torch.device, head_only: bool = False):
+def build_target(cfg: Config, device: torch.device, head_only: bool = False, tp_group=None):
     """The frozen target. Targets run it; drafters borrow its embed_tokens/lm_head, and with
-    `head_only` (a transformers target) read nothing else of it, straight to their device."""
+    `head_only` (a transformers target) read nothing else of it, straight to their device. `tp_group`:
+    the ranks of this target replica, which load it sharded together (tensor parallelism)."""
     tc = cfg.model.target
     dtype = compute_dtype(tc.dtype, device)
     if tc.kind == "tiny":
@@ -28,7 +29,7 @@ def build_target(cfg: Config, device: torch.device, head_only: bool = False):
         return load_head_only_target(tc.path, dtype, device)
     else:
         from dflash_dist.models.hf_target import load_hf_target  # optional extra: transformers
-        model = load_hf_target(tc.path, dtype=dtype, device=device)
+        model = load_hf_target(tc.path, dtype=dtype, device=device, tp_group=tp_group)
     model = model.to(device=device, dtype=dtype).eval()
     for p in model.parameters():
         p.requires_grad_(False)

@@ -1,5 +1,8 @@
 """Target role: for each batch routed to me, collate -> frozen forward -> capture -> send to its drafter.
 
+A target replica may span `model.target.tensor_parallel` ranks (sharded by transformers or PyTorch
+tensor parallelism): all of them run every batch of the replica together; its first rank sends.
+
 Batches are handled in increasing b; before each one the rank passes the stop votes of every boundary
 up to that batch's step (schedule.Votes), exactly where the drafters do. With distillation labels the
 forward runs to the end and the packet also carries the target's predictions (capture.py, transport.py).
@@ -32,6 +35,7 @@ class Target:
         self.clock = device_clock(run.ctx.device)
         self.compute_s = self.vote_wait_s = 0.0
         self.sent = 0
+        self.leader = self.layout.is_replica_leader(run.ctx.rank)
 
     @property
     def wait_s(self) -> float:
@@ -85,8 +89,9 @@ class Target:
         feats, labels = capture_for_drafter(run.target, batch, run.spec.target_layer_ids, run.cfg.objective,
                                             self.packets.dtype)
         self.compute_s += self.clock() - t0  # the clock waits for the GPU: this is the forward's true time
-        self.sender.send(drafter, epoch, b, batch, feats, self.compute_s, self.wait_s, labels)
-        self.sent += 1
+        if self.leader:  # the other ranks of a tensor-parallel replica computed the same features with it
+            self.sender.send(drafter, epoch, b, batch, feats, self.compute_s, self.wait_s, labels)
+            self.sent += 1
 
     def warm_up(self) -> None:
         """One capture of a small packed batch before the first collective (compiles the attention)."""
