@@ -1,0 +1,292 @@
+"""Predicted peak device memory per role at the worst batch of the real plan, and a check on CPU.
+
+    python -m dflash_dist.bench.memory --config configs/qwen3_8b.yaml [key=value ...] [--gpu-mem-gib 141]
+        [--target-shape qwen3-8b] [--json PATH] [--validate]
+
+The worst batches are those of the real plan (`plan.build_plan` over every epoch): of the prepared dataset
+when data.path is set, else of the benchmark's 902K chat mix (bench.plan). The batch with the most anchors
+and the one with the most tokens are both evaluated; each role's peak is the larger. The table has one
+row per role and one column per term (GiB; memory.py says what each holds); the JSON adds the worst
+batches and the largest objective.anchor_chunk that fits.
+
+--validate runs the real code on CPU at a scaled shape (float32, the "sdpa" attention path) and prints
+predicted / measured per role: the target's `capture` (peak of live tensor bytes, one packet held as the
+sender's queue would) and the drafter's `step.drafter_step` + AdamW step (peak of live tensor bytes, and
+the peak of bytes saved for backward), for the chunked and the unchunked step side by side, with their
+step times. Live bytes are counted per storage from every op's outputs (a TorchDispatchMode; a storage's
+bytes are released when it dies), saved bytes through torch.autograd.graph.saved_tensors_hooks (each
+storage once, parameters and the step's inputs excluded). Temporaries inside a single kernel are not
+tensors and are not seen.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import weakref
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from dflash_dist import memory as M
+from dflash_dist.config import Config, ConfigError, load_config, loss_gamma
+
+
+# -- measurement --------------------------------------------------------------------------------------
+
+class LiveBytes(TorchDispatchMode):
+    """The peak of live tensor bytes while active: every op output's storage counts once, until it dies.
+    Tensors that exist before must be `track`ed to count (parameters, inputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.now = self.peak = 0
+
+    def track(self, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            st = t.untyped_storage()
+            key = st.data_ptr()
+            if key in self.live or st.nbytes() == 0:
+                continue
+            self.live[key] = st.nbytes()
+            self.now += st.nbytes()
+            self.peak = max(self.peak, self.now)
+            weakref.finalize(st, self._release, key)
+
+    def _release(self, key: int) -> None:
+        self.now -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.track(*(t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.device.type != "meta"))
+        return out
+
+
+class SavedBytes:
+    """The peak of bytes autograd holds for backward while active (each storage once), leaving out the
+    storages of `exclude` (parameters, the step's inputs: they are alive whatever autograd does)."""
+
+    def __init__(self, exclude=()):
+        self.skip = {t.untyped_storage().data_ptr() for t in exclude}
+        self.live: dict[int, int] = {}
+        self.now = self.peak = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key not in self.skip and key not in self.live and st.nbytes():
+            self.live[key] = st.nbytes()
+            self.now += st.nbytes()
+            self.peak = max(self.peak, self.now)
+            weakref.finalize(st, self._release, key)
+        return t
+
+    def _release(self, key: int) -> None:
+        self.now -= self.live.pop(key, 0)
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._hooks.__exit__(*exc)
+
+
+# -- the scaled shape ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Scaled:
+    """A CPU-sized job: a tiny target and a drafter of the reference's proportions (I = 3H, 4:1 GQA...)."""
+    hidden: int = 256
+    vocab: int = 8192
+    intermediate: int = 768
+    target_layers: int = 4
+    heads: int = 4
+    kv_heads: int = 1
+    head_dim: int = 64
+    draft_layers: int = 2
+    seqs: int = 4
+    seq_len: int = 600
+    prompt: int = 50
+    num_anchors: int = 512
+    anchor_chunk: int = 64
+    loss_rows: int = 1024
+
+    def overrides(self) -> list[str]:
+        return [f"model.target.vocab_size={self.vocab}", f"model.target.hidden_size={self.hidden}",
+                f"model.target.intermediate_size={self.intermediate}", f"model.target.num_layers={self.target_layers}",
+                f"model.target.num_heads={self.heads}", f"model.target.num_kv_heads={self.kv_heads}",
+                f"model.target.head_dim={self.head_dim}", f"model.draft.num_layers={self.draft_layers}",
+                f"model.draft.target_layer_ids=[1,{self.target_layers - 2}]", "model.target.dtype=float32",
+                f"objective.num_anchors={self.num_anchors}", f"objective.anchor_chunk={self.anchor_chunk}",
+                f"objective.loss_rows={self.loss_rows}", "transport.max_in_flight=1", "transport.dtype=float32",
+                f"plan.token_budget={self.seqs * self.seq_len}"]
+
+
+CPU = M.Precision(device="cpu", target_bytes=4, transfer_bytes=4, drafter_compute=4, attention="sdpa")
+ONE_RANK = M.Sharding(drafters=1, drafters_per_target=1)  # one drafter, one packet held
+
+
+def _batch(sc: Scaled):
+    from dflash_dist.data.collate import PackedBatch
+    g = torch.Generator().manual_seed(0)
+    n = sc.seqs * sc.seq_len
+    ids = torch.randint(0, sc.vocab - 1, (n,), generator=g)
+    mask = (torch.arange(n) % sc.seq_len) >= sc.prompt
+    cu = torch.arange(sc.seqs + 1) * sc.seq_len
+    return PackedBatch(ids, mask, cu)
+
+
+def _timed(fn, reps: int = 1) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def validate(sc: Scaled = Scaled(), time_steps: bool = True) -> dict:
+    """Predicted vs measured at the scaled shape; see the module docstring."""
+    from dflash_dist.models.build import build_drafter, draft_spec
+    from dflash_dist.models.qwen3 import TinyQwen3
+    from dflash_dist.objective import anchor_generator, draw_anchors
+    from dflash_dist.step import drafter_step
+
+    cfg = load_config(None, sc.overrides())
+    shapes = M.model_shapes(cfg)
+    target = TinyQwen3(cfg.model.target).eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    spec = draft_spec(cfg, target)
+    batch = _batch(sc)
+    B = cfg.objective.block_size
+    anchors, anchor_cu = draw_anchors(batch.loss_mask, batch.cu_seqlens, B, sc.num_anchors, anchor_generator(0, 0, 0))
+    seq_lens = tuple(int(x) for x in (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]))
+    seq_anchors = tuple(int(x) for x in (anchor_cu[1:] - anchor_cu[:-1]))
+    starts = torch.repeat_interleave(batch.cu_seqlens[:-1], anchor_cu[1:] - anchor_cu[:-1])
+    worst = M.BatchShape(tokens=batch.num_tokens, seqs=batch.num_seqs, anchors=anchors.numel(), seq_lens=seq_lens,
+                         seq_anchors=seq_anchors, anchor_pos=tuple((anchors - starts).tolist()))
+    out: dict = {"shape": sc.__dict__, "batch": worst.summary()}
+
+    # Target: one packet held (the sender's queue at max_in_flight = 1), then the next capture.
+    capture = lambda: target.capture(batch.input_ids, batch.cu_seqlens, batch.position_ids,  # noqa: E731
+                                     list(spec.target_layer_ids))[0]
+    held = capture()
+    with LiveBytes() as live:
+        live.track(*target.parameters(), held, batch.input_ids, batch.loss_mask, batch.cu_seqlens)
+        feats = capture()
+    pred_t = M.target_terms(shapes, CPU, cfg, worst, ONE_RANK)
+    out["target"] = {"predicted": sum(pred_t.values()), "measured": live.peak}
+    del held
+
+    model = build_drafter(spec, target, cfg.model.draft.seed, torch.device("cpu"))
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    for p in params:  # the optimizer's state exists from the first step on
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    gamma = loss_gamma(cfg.objective)
+
+    def step(chunk: int):
+        drafter_step(model, batch, feats, None, anchors, anchor_cu, gamma=gamma, anchor_chunk=chunk,
+                     loss_rows=sc.loss_rows)
+
+    for name, chunk in (("chunked", sc.anchor_chunk), ("unchunked", 0)):
+        with LiveBytes() as live, SavedBytes(exclude=params + [feats]) as saved:
+            live.track(*params, *state, model.lm_head.weight, model._embed.weight, feats, batch.input_ids,
+                       batch.loss_mask, batch.cu_seqlens)
+            step(chunk)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        c = replace(cfg, objective=replace(cfg.objective, anchor_chunk=chunk))
+        terms = M.drafter_terms(shapes, CPU, c, worst, chunk, ONE_RANK)
+        out[name] = {"predicted": sum(terms.values()), "measured": live.peak,
+                     "saved_predicted": M.drafter_saved(shapes, CPU, c, worst, chunk), "saved_measured": saved.peak,
+                     "terms": terms}
+    if time_steps:
+        for name, chunk in (("chunked", sc.anchor_chunk), ("unchunked", 0)):
+            out[name]["step_s"] = _timed(lambda: (step(chunk), opt.zero_grad(set_to_none=True)))
+    out["saved_ratio"] = out["chunked"]["saved_measured"] / out["unchunked"]["saved_measured"]
+    if time_steps:
+        out["time_ratio"] = out["chunked"]["step_s"] / out["unchunked"]["step_s"]
+    return out
+
+
+def _validate_report(v: dict) -> str:
+    mib = lambda x: f"{x / 2**20:9.1f}"  # noqa: E731
+    lines = [f"validate on CPU (float32, sdpa attention): {v['shape']}", f"batch {v['batch']}",
+             f"{'':28s} {'predicted MiB':>13s} {'measured MiB':>13s} {'pred/meas':>9s}"]
+    rows = [("target peak", v["target"]["predicted"], v["target"]["measured"])]
+    for name in ("chunked", "unchunked"):
+        d = v[name]
+        rows += [(f"drafter peak ({name})", d["predicted"], d["measured"]),
+                 (f"drafter saved ({name})", d["saved_predicted"], d["saved_measured"])]
+    lines += [f"{n:28s} {mib(p):>13s} {mib(m):>13s} {p / m:9.3f}" for n, p, m in rows]
+    lines.append(f"chunked / unchunked: peak saved bytes {v['saved_ratio']:.3f} (target <= 0.1)"
+                 + (f", step time {v['time_ratio']:.2f} ({v['chunked']['step_s']:.2f} s vs "
+                    f"{v['unchunked']['step_s']:.2f} s; target <= 1.3)" if "time_ratio" in v else ""))
+    return "\n".join(lines)
+
+
+# -- CLI ----------------------------------------------------------------------------------------------
+
+def evaluate(cfg: Config, device_gib: float, target_shape: str | None = None) -> tuple[M.Prediction, dict]:
+    """The prediction at the worst batches of the config's real plan, and where they came from."""
+    shapes = M.model_shapes(cfg, target_shape)
+    lengths, supervised, anchorable, source = M.plan_lengths(cfg)
+    worst = M.worst_batches(cfg, lengths, supervised, anchorable)
+    pred = M.predict(cfg, shapes, list(worst.values()), device_gib)
+    return pred, {"source": source, "worst_batches": {k: w.summary() for k, w in worst.items()}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dflash_dist.bench.memory", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("overrides", nargs="*", help="key=value config overrides")
+    ap.add_argument("--gpu-mem-gib", type=float, default=141.0, help="device memory (H200: 141)")
+    ap.add_argument("--target-shape", choices=sorted(M.TARGET_SHAPES),
+                    help="built-in target shape when model.target.path has no config.json")
+    ap.add_argument("--json", help="write the prediction here")
+    ap.add_argument("--validate", action="store_true", help="also check the model against the real code on CPU")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        pred, info = evaluate(cfg, args.gpu_mem_gib, args.target_shape)
+    except (ConfigError, FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    out = sys.stdout
+    out.write(f"{args.config} {' '.join(args.overrides)}: worst batches of {info['source']}: "
+              f"{info['worst_batches']}\n")
+    out.write(M.gib_table(pred) + "\n")
+    out.write(f"device {pred.device_gib:g} GiB: {'fits' if pred.fits else 'does NOT fit'}; objective.anchor_chunk="
+              f"{pred.anchor_chunk}, largest that fits: {pred.best_anchor_chunk}\n")
+    for role in pred.roles:
+        msg = M.preflight_message(pred, role)
+        if msg:
+            out.write(msg + "\n")
+    if pred.unsure:
+        out.write(f"unsure: {pred.unsure}\n")
+    result = pred.to_json() | info
+    if args.validate:
+        v = validate()
+        out.write(_validate_report(v) + "\n")
+        result["validate"] = {k: v[k] for k in v if k not in ("chunked", "unchunked")} | {
+            k: {kk: vv for kk, vv in v[k].items() if kk != "terms"} for k in ("chunked", "unchunked")}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,533 @@
+"""The memory model: peak device memory per role, predicted from shapes before anything is loaded.
+
+Each role's peak is a sum of named terms (bytes), each one counted from what the code allocates or
+what autograd keeps for backward, tensor by tensor, at the worst batch of the real plan:
+
+  drafter  parameters (fp32), gradients, AdamW (2 x fp32), autocast's bf16 copies of the weights
+           (kept for backward), the frozen embedding + LM head (compute dtype), the packets in flight
+           (transport.max_in_flight receive buffers), the fused context and what its backward keeps, the
+           labels; then per anchor chunk: the draft layers' saved activations (block rows, and the
+           context rows every layer projects again), the larger of the loss chunk (loss_rows x V float32
+           logits, plus their compute-dtype copy) and the backward's temporaries; allocator slack. The
+           gradient all-reduce's flat bucket (dist.all_reduce_grads) and AdamW's temporaries come after
+           the chunks' activations are freed, far below this peak, and are left out.
+  target   weights (compute dtype, divided over tensor_parallel), the capture's transient activations
+           at the batch's token count, the captured features, the packets in flight, and with
+           distillation labels the final hidden state and one chunk of logits; allocator slack.
+
+The accounting follows the code as it is (dflash_dist.step, models.drafter, models.qwen3, objective,
+transport); `python -m dflash_dist.bench.memory --validate` checks it against measurement on CPU
+(bytes saved for backward and the peak of live tensor bytes) at a scaled shape. Model shapes come from
+the config (tiny target), the target's config.json (hf), or a built-in table (`TARGET_SHAPES`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from dflash_dist.config import Config, default_target_layer_ids
+
+GiB = 2 ** 30
+SDPA_GROUP = 32  # blocks per SDPA call in the drafter's "sdpa" attention path (models.attention)
+DISTILL_CHUNK = 4096  # tokens per logits chunk of the target's distillation labels (objective)
+CUDA_RESERVED = 1.0 * GiB  # CUDA context, cuBLAS/NCCL workspaces: outside torch's tensors
+SLACK = 0.10  # caching-allocator fragmentation, as a share of the step-dependent terms (CUDA only)
+# Llama-family targets whose decoder layer the capture accounting describes; others are "unsure".
+KNOWN_ARCHS = ("qwen3", "qwen2", "llama", "mistral", "tiny")
+
+# Built-in shapes, to evaluate a config without the weights (sources: the models' config.json).
+TARGET_SHAPES = {
+    "qwen3-8b": dict(vocab=151936, hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128,
+                     intermediate=12288, tied=False, arch="qwen3"),
+}
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    """Target and drafter shapes: all the memory model needs of the models."""
+    vocab: int
+    hidden: int
+    layers: int  # target decoder layers
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    tied: bool  # target's LM head is its embedding
+    draft_layers: int
+    draft_heads: int
+    draft_kv_heads: int
+    draft_head_dim: int
+    draft_intermediate: int
+    feature_layers: tuple[int, ...]  # target layer ids whose outputs the drafter reads
+    block_size: int
+    arch: str = "tiny"
+
+    @property
+    def target_params(self) -> int:
+        H, Q, K = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        layer = H * (Q + 2 * K) + Q * H + 3 * H * self.intermediate + 2 * H + 2 * self.head_dim
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.layers * layer + H
+
+    @property
+    def draft_params(self) -> int:
+        H, Q, K = self.hidden, self.draft_heads * self.draft_head_dim, self.draft_kv_heads * self.draft_head_dim
+        layer = H * (Q + 2 * K) + Q * H + 3 * H * self.draft_intermediate + 2 * H + 2 * self.draft_head_dim
+        return len(self.feature_layers) * H * H + H + self.draft_layers * layer + H
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """One batch as the memory model sees it. seq_lens/seq_anchors (per sequence) and anchor_pos (each
+    anchor's offset in its sequence, grouped by sequence) serve the "sdpa" attention term; without
+    anchor_pos every anchor is taken to see its whole sequence (an upper bound)."""
+    tokens: int
+    seqs: int
+    anchors: int
+    seq_lens: tuple[int, ...] = ()
+    seq_anchors: tuple[int, ...] = ()
+    anchor_pos: tuple[int, ...] = ()
+
+    def summary(self) -> dict:
+        return {"tokens": self.tokens, "seqs": self.seqs, "anchors": self.anchors}
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How a role's state is divided over ranks: tensor_parallel ranks per target replica share its
+    weights and activations; with fsdp the drafters share parameters, gradients and optimizer state."""
+    tensor_parallel: int = 1
+    drafters: int = 1
+    fsdp: bool = False
+    drafters_per_target: int = 1  # drafters one target replica sends to (its packets in flight)
+
+    @classmethod
+    def from_config(cls, cfg: Config, num_drafters: int | None = None) -> "Sharding":
+        fsdp = cfg.roles.drafter_sharding == "fsdp"
+        return cls(tensor_parallel=cfg.model.target.tensor_parallel,
+                   drafters=num_drafters or cfg.roles.drafters_per_node, fsdp=fsdp,
+                   drafters_per_target=cfg.roles.drafters_per_node)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Element sizes and paths of the device the job runs on."""
+    device: str = "cuda"
+    target_bytes: int = 2  # target weights and activations (model.target.dtype)
+    transfer_bytes: int = 2  # features on the wire (transport.dtype)
+    drafter_compute: int = 2  # drafter matmuls: bf16 under autocast on CUDA, fp32 on CPU
+    attention: str = "flex"  # drafter block attention path: flex | sdpa
+
+    @property
+    def autocast(self) -> bool:
+        return self.drafter_compute != 4
+
+    @classmethod
+    def from_config(cls, cfg: Config, device: str = "cuda", attention: str | None = None) -> "Precision":
+        size = {"float32": 4, "bfloat16": 2, "float16": 2}
+        auto = 2 if device == "cuda" else 4
+        tb = auto if cfg.model.target.dtype == "auto" else size[cfg.model.target.dtype]
+        xb = tb if cfg.transport.dtype == "auto" else size[cfg.transport.dtype]
+        return cls(device=device, target_bytes=tb, transfer_bytes=xb, drafter_compute=auto,
+                   attention=attention or ("flex" if device == "cuda" else "sdpa"))
+
+
+@dataclass
+class RolePrediction:
+    terms: dict[str, float]  # bytes
+    worst: BatchShape
+
+    @property
+    def peak(self) -> float:
+        return float(sum(self.terms.values()))
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak / GiB
+
+
+@dataclass
+class Prediction:
+    roles: dict[str, RolePrediction]
+    device_gib: float
+    anchor_chunk: int
+    best_anchor_chunk: int | None  # largest objective.anchor_chunk whose drafter fits (0: all at once)
+    unsure: str | None = None  # why the model may be off (a custom target architecture), else None
+    budget_gib: dict[str, float] = field(default_factory=dict)  # per-role targets, if any
+
+    def fits_role(self, role: str) -> bool:
+        return self.roles[role].peak_gib <= self.device_gib
+
+    @property
+    def fits(self) -> bool:
+        return all(self.fits_role(r) for r in self.roles)
+
+    def to_json(self) -> dict:
+        return {"roles": {r: {"peak_gib": p.peak_gib, "fits": self.fits_role(r),
+                              "terms_gib": {k: v / GiB for k, v in p.terms.items()}, "worst_batch": p.worst.summary()}
+                          for r, p in self.roles.items()},
+                "device_gib": self.device_gib, "fits": self.fits, "anchor_chunk": self.anchor_chunk,
+                "best_anchor_chunk": self.best_anchor_chunk, "unsure": self.unsure}
+
+
+# -- shapes --------------------------------------------------------------------------------------------
+
+def model_shapes(cfg: Config, target_shape: str | None = None) -> ModelShapes:
+    """Shapes from the config: the tiny target's fields, or for kind=hf the target's config.json (else
+    the built-in `target_shape`, so a config can be evaluated on a machine without the weights)."""
+    tc = cfg.model.target
+    if tc.kind == "tiny":
+        t = dict(vocab=tc.vocab_size, hidden=tc.hidden_size, layers=tc.num_layers, heads=tc.num_heads,
+                 kv_heads=tc.num_kv_heads, head_dim=tc.head_dim, intermediate=tc.intermediate_size, tied=False,
+                 arch="tiny")
+    else:
+        from pathlib import Path
+        from dflash_dist.models.head import read_config, shape_facts
+        if (Path(tc.path) / "config.json").is_file():
+            raw = read_config(tc.path)
+            f = shape_facts(raw, str(Path(tc.path) / "config.json"))
+            t = dict(vocab=f["vocab_size"], hidden=f["hidden_size"], layers=f["num_layers"], heads=f["num_heads"],
+                     kv_heads=f["num_kv_heads"], head_dim=f["head_dim"], intermediate=f["intermediate_size"],
+                     tied=f["tied"], arch=str(raw.get("model_type", "?")))
+        elif target_shape:
+            if target_shape not in TARGET_SHAPES:
+                raise ValueError(f"--target-shape {target_shape!r}: one of {sorted(TARGET_SHAPES)}")
+            t = dict(TARGET_SHAPES[target_shape])
+        else:
+            raise FileNotFoundError(f"model.target.path={tc.path}: no config.json; give a built-in shape "
+                                    f"(--target-shape {'|'.join(TARGET_SHAPES)})")
+    d = cfg.model.draft
+    ids = tuple(d.target_layer_ids) or tuple(default_target_layer_ids(t["layers"], d.num_feature_layers))
+    return ModelShapes(**t, draft_layers=d.num_layers, draft_heads=d.num_heads or t["heads"],
+                       draft_kv_heads=d.num_kv_heads or t["kv_heads"], draft_head_dim=d.head_dim or t["head_dim"],
+                       draft_intermediate=d.intermediate_size or t["intermediate"], feature_layers=ids,
+                       block_size=cfg.objective.block_size)
+
+
+def tail_anchorable(lengths: np.ndarray, supervised: np.ndarray, block_size: int) -> np.ndarray:
+    """Anchor positions per sample when its supervised tokens are its tail (a chat sample's response),
+    as `TokenDataset.num_anchorable` counts them: p with a supervised next token and p + B <= length."""
+    first = np.maximum(lengths - supervised - 1, 0)  # the first p whose next token is supervised
+    return np.where(supervised > 0, np.maximum(lengths - block_size - first + 1, 0), 0)
+
+
+def worst_batches(cfg: Config, lengths: np.ndarray, supervised: np.ndarray, anchorable: np.ndarray | None = None,
+                  epochs: Iterable[int] | None = None) -> dict[str, BatchShape]:
+    """{"anchors": the batch with the most anchors, "tokens": the one with the most tokens} over the
+    plans of `epochs` (default: every epoch of the run), built as the run builds them; anchors per
+    sample = min(anchorable, objective.num_anchors). Without `anchorable` (no loss mask at hand), each
+    sample's supervised tokens are taken to be its tail (`tail_anchorable`)."""
+    from dflash_dist.plan import build_plan, plan_kwargs
+    lengths, supervised = np.asarray(lengths), np.asarray(supervised)
+    if anchorable is None:
+        anchorable = tail_anchorable(lengths, supervised, cfg.objective.block_size)
+    anchorable = np.asarray(anchorable)
+    anch = np.minimum(anchorable, cfg.objective.num_anchors)
+    best: dict[str, tuple[int, BatchShape]] = {}
+    for epoch in epochs if epochs is not None else range(cfg.train.epochs):
+        plan = build_plan(lengths, supervised, epoch=epoch, anchorable=anchorable, **plan_kwargs(cfg))
+        starts = plan.offsets[:-1]
+        if not len(starts):
+            continue
+        tok = np.add.reduceat(lengths[plan.indices], starts)
+        anc = np.add.reduceat(anch[plan.indices], starts)
+        for key, per in (("anchors", anc), ("tokens", tok)):
+            b = int(np.argmax(per))
+            if key not in best or per[b] > best[key][0]:
+                idx = plan.batch(b)
+                best[key] = (int(per[b]), BatchShape(
+                    tokens=int(tok[b]), seqs=len(idx), anchors=int(anc[b]),
+                    seq_lens=tuple(int(x) for x in lengths[idx]), seq_anchors=tuple(int(x) for x in anch[idx])))
+    if not best:
+        raise ValueError("the plan has no batch: nothing to predict")
+    return {k: v[1] for k, v in best.items()}
+
+
+def plan_lengths(cfg: Config, samples: int = 902_000, seed: int = 0):
+    """(lengths, supervised, anchorable or None, source): the prepared dataset when data.path is set,
+    else the benchmark's chat mix (bench.plan.chat_lengths) at the config's token budget."""
+    if cfg.data.path:
+        from dflash_dist.data.disk import open_dataset
+        ds = open_dataset(cfg.data.path)
+        return (np.asarray(ds.lengths), np.asarray(ds.num_supervised), ds.num_anchorable(cfg.objective.block_size),
+                f"data.path={cfg.data.path}")
+    from dflash_dist.bench.plan import chat_lengths
+    lengths, sup = chat_lengths(samples, cfg.plan.token_budget, seed)
+    return lengths, sup, None, f"chat mix ({samples:,} samples, bench.plan, seed {seed})"
+
+
+# -- drafter ------------------------------------------------------------------------------------------
+
+def _norm_saved(width: int, groups: int, in_bytes: int) -> int:
+    """RMSNorm (models.qwen3) per row: pow keeps the float32 input, mul keeps it and the rsqrt, the
+    weight's mul keeps the normalised input cast back to the input's dtype."""
+    return 4 * width + in_bytes * width + 4 * groups
+
+
+def _linear_inputs(width: int, calls: int, c: int) -> int:
+    """What matmuls keep of one float32 input used by `calls` linears: under autocast each call keeps its
+    own compute-dtype cast (autocast caches casts of weights only); in float32 the tensor itself."""
+    return calls * c * width if c != 4 else 4 * width
+
+
+def _dims(s: ModelShapes) -> tuple[int, int, int, int, int, int]:
+    return (s.hidden, s.draft_heads * s.draft_head_dim, s.draft_kv_heads * s.draft_head_dim, s.draft_intermediate,
+            s.draft_heads, s.draft_kv_heads)
+
+
+def block_row_bytes(s: ModelShapes, p: Precision) -> int:
+    """Saved bytes per block row (query) per draft layer, attention's per-row part included."""
+    H, Q, K, I, h, hkv = _dims(s)
+    c = p.drafter_compute
+    per = (_norm_saved(H, 1, 4) + _linear_inputs(H, 3, c)  # input norm; h kept by q/k/v projections
+           + _norm_saved(Q, h, c) + _norm_saved(K, hkv, c)  # q_norm, k_norm (RoPE keeps only cos/sin)
+           + _norm_saved(H, 1, 4) + _linear_inputs(H, 2, c)  # post-attention norm; h2 kept by gate/up
+           + 4 * c * I)  # MLP: gate out, silu out, up out, their product (down_proj's input)
+    if p.attention == "flex":
+        # q, k_blk, v_blk cast to the kernel dtype and kept; its output and log-sum-exp; the contiguous
+        # output o_proj keeps.
+        per += c * Q + 2 * c * K + c * Q + 4 * h + c * Q
+    else:
+        # sdpa: q itself, the call's output, its log-sum-exp, the concatenated output o_proj keeps; the
+        # block part of each call's concatenated k/v is in `sdpa_call_bytes`.
+        per += c * Q + c * Q + 4 * h + c * Q
+    return per
+
+
+def context_row_bytes(s: ModelShapes, p: Precision) -> int:
+    """Saved bytes per context token per draft layer per chunk: every layer projects the whole context
+    to keys and values again for each chunk (k_norm's saves; under autocast, two casts of ctx)."""
+    H, Q, K, I, h, hkv = _dims(s)
+    c = p.drafter_compute
+    per = _norm_saved(K, hkv, c) + (2 * c * H if c != 4 else 0)
+    if p.attention == "flex":
+        per += 2 * c * K  # the context part of the concatenated k and v the kernel keeps
+    return per
+
+
+def _runs(seq_anchors: Sequence[int], chunk: int) -> list[list[tuple[int, int, int]]]:
+    """Per chunk, the (sequence, first anchor in it, blocks) of each SDPA call: runs of one sequence's
+    anchors cut at SDPA_GROUP blocks and at chunk boundaries."""
+    chunks, cur, fill = [], [], 0
+    for seq, n in enumerate(seq_anchors):
+        done = 0
+        while done < n:
+            take = min(n - done, chunk - fill)
+            for a in range(0, take, SDPA_GROUP):
+                cur.append((seq, done + a, min(SDPA_GROUP, take - a)))
+            done, fill = done + take, fill + take
+            if fill == chunk:
+                chunks.append(cur)
+                cur, fill = [], 0
+    if cur:
+        chunks.append(cur)
+    return chunks
+
+
+def sdpa_call_bytes(s: ModelShapes, p: Precision, worst: BatchShape, chunk: int) -> int:
+    """The sdpa path's per-call saves of the worst chunk, per layer: each call concatenates its
+    sequence's context up to the call's last anchor with its blocks (keys and values, kept) and keeps
+    its mask as an additive bias in the compute dtype (queries x keys)."""
+    H, Q, K, I, h, hkv = _dims(s)
+    c, B = p.drafter_compute, s.block_size
+    if not worst.seq_anchors:
+        raise ValueError("the sdpa attention term needs the batch's per-sequence anchors")
+    # Context rows each anchor sees: the real ones when known, else its whole sequence (an upper bound).
+    pos: list[list[int]] = []
+    k = 0
+    for L, n in zip(worst.seq_lens, worst.seq_anchors):
+        pos.append(sorted(worst.anchor_pos[k:k + n]) if worst.anchor_pos else [L] * n)
+        k += n
+    worst_bytes = 0
+    for calls in _runs(worst.seq_anchors, chunk):
+        total = 0
+        for seq, first, nb in calls:
+            keys = pos[seq][first + nb - 1] + nb * B
+            total += 2 * c * K * keys + c * nb * B * keys
+        worst_bytes = max(worst_bytes, total)
+    return worst_bytes
+
+
+def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, worst: BatchShape, chunk: int,
+                  sharding: Sharding = Sharding()) -> dict[str, float]:
+    """Peak bytes of a drafter rank by term for `worst` with `chunk` anchors per chunk (0 = all)."""
+    H, Q, K, I, h, hkv = _dims(s)
+    c, B, V, N = p.drafter_compute, s.block_size, s.vocab, worst.tokens
+    tb, xb = p.target_bytes, p.transfer_bytes
+    a = worst.anchors if chunk <= 0 else min(chunk, worst.anchors)
+    R = a * B
+    L = s.draft_layers
+    shard = sharding.drafters if sharding.fsdp else 1
+    P = s.draft_params
+    nf = len(s.feature_layers)
+    w = {"data": 0, "target_argmax": 1, "target_soft": cfg.objective.soft_top_k}[cfg.objective.labels]
+    meta = 8 * (2 * N + worst.seqs + 1 + w * N) + (4 * cfg.objective.soft_top_k * N if w > 1 else 0)
+    t: dict[str, float] = {
+        "params": 4 * P / shard,
+        "grads": 4 * P / shard,
+        "adamw": 8 * P / shard,
+        # autocast's bf16 copies of the weights, kept by the matmuls for backward
+        "weight_casts": c * P if p.autocast else 0,
+        "embed_head": V * H * tb * (1 if s.tied else 2),
+        "packets": cfg.transport.max_in_flight * (N * nf * H * xb + meta),
+        # fc output through hidden_norm (kept), the context (N, H) float32 and its gradient
+        "context": N * (_norm_saved(H, 1, c) + 8 * H),
+        # labels and weights for the batch, soft targets (probs float32, ids int64)
+        "labels": worst.anchors * B * (12 + (12 * cfg.objective.soft_top_k if w > 1 else 0)),
+    }
+    row = block_row_bytes(s, p)
+    ctx = context_row_bytes(s, p) * N + 2 * 4 * N * s.draft_head_dim  # + the context's RoPE cos/sin
+    attn_calls = sdpa_call_bytes(s, p, worst, a) if p.attention == "sdpa" else 0
+    per_layer = row * R + ctx + attn_calls
+    # After the layers: the embedding output (float32, the first layer's input), the final norm, the
+    # loss's saved input gradient (rows with a label) and its index, block RoPE cos/sin.
+    tail = R * (_norm_saved(H, 1, 4)) + (R - a) * (c * H + 8) + 2 * 4 * R * s.draft_head_dim
+    # The first layer's input (the frozen embedding's output) needs no gradient: its input norm keeps
+    # only the normalised rows for the weight's gradient, not the input and the rsqrt.
+    tail -= R * (4 * H + 4)
+    if cfg.model.draft.checkpoint_layers:
+        # Each layer keeps its input; backward recomputes one layer at a time.
+        t["activations"] = L * 4 * H * R + per_layer + tail
+    else:
+        t["activations"] = L * per_layer + tail
+    rows = min(cfg.objective.loss_rows, R)
+    loss_chunk = rows * V * (4 + (c if c != 4 else 0)) + (R * c * H if c != 4 else 0)
+    # Backward peaks at its start, before any saved tensor is freed: the hidden states' gradient (and its
+    # float32 cast) and the final norm's float32 temporaries, about five (R, H) float32 in all (measured).
+    backward = 5 * 4 * R * H
+    t["transient"] = max(loss_chunk, backward)
+    if p.device == "cuda":
+        t["slack"] = SLACK * (t["activations"] + t["transient"] + t["context"] + t["packets"])
+        t["cuda_reserved"] = CUDA_RESERVED
+    return t
+
+
+# -- target -------------------------------------------------------------------------------------------
+
+def target_terms(s: ModelShapes, p: Precision, cfg: Config, worst: BatchShape,
+                 sharding: Sharding = Sharding()) -> dict[str, float]:
+    """Peak bytes of a target rank by term for `worst` (its token count)."""
+    H, Q, K, I = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim, s.intermediate
+    c, xb, N, V = p.target_bytes, p.transfer_bytes, worst.tokens, s.vocab
+    tp = max(1, sharding.tensor_parallel)
+    nf = len(s.feature_layers)
+    distill = cfg.objective.labels != "data"
+    w = {"data": 0, "target_argmax": 1, "target_soft": cfg.objective.soft_top_k}[cfg.objective.labels]
+    feats = N * nf * H * c
+    # A decoder layer without grad peaks in its MLP: the residual stream, the normed input, then
+    # silu(gate), up and their product side by side (gate itself is freed by silu). The built-in target's
+    # layer (models.qwen3) also still holds its attention's locals there (normed input, q, k, v);
+    # transformers' layers do not. The attention half stays below this whenever I >= H. RoPE's cos/sin
+    # for the batch live through the whole capture.
+    held = H + Q + 2 * K if s.arch == "tiny" else 0
+    transient = N * ((2 * H + held) * c + 3 * I * c / tp) + 2 * N * s.head_dim * c
+    # While the last captured layer runs, the other captured outputs are held; the concatenation then
+    # holds every captured output and the features together.
+    capture = max((nf - 1) * N * H * c + transient, 2 * feats)
+    if distill:  # the forward runs on: all captured outputs held through the remaining layers
+        capture = max(capture, nf * N * H * c + transient)
+    t: dict[str, float] = {
+        "weights": s.target_params * c / tp,
+        "batch": 8 * 3 * N,  # input ids, loss mask, positions
+        "capture": capture,
+        "packets": cfg.transport.max_in_flight * sharding.drafters_per_target
+        * (N * nf * H * xb + 8 * (2 * N + worst.seqs + 1 + w * N) + (4 * w * N if w > 1 else 0)),
+    }
+    if distill:  # after the capture: features kept, the final hidden state and one chunk of logits
+        t["distill"] = max(0.0, N * H * c + min(DISTILL_CHUNK, N) * V * c - (capture - feats))
+    if p.device == "cuda":
+        t["slack"] = SLACK * (t["capture"] + t["packets"])
+        t["cuda_reserved"] = CUDA_RESERVED
+    return t
+
+
+# -- prediction --------------------------------------------------------------------------------------
+
+def _drafter(s, p, cfg, worsts, chunk, sharding) -> RolePrediction:
+    preds = [RolePrediction(drafter_terms(s, p, cfg, w, chunk, sharding), w) for w in worsts]
+    return max(preds, key=lambda r: r.peak)
+
+
+def largest_anchor_chunk(s: ModelShapes, p: Precision, cfg: Config, worsts: Sequence[BatchShape], device_gib: float,
+                         sharding: Sharding = Sharding()) -> int | None:
+    """The largest objective.anchor_chunk whose drafter peak fits `device_gib` (0 when the whole batch
+    fits at once; None when not even one anchor per chunk fits)."""
+    most = max(w.anchors for w in worsts)
+
+    def fits(chunk: int) -> bool:
+        return _drafter(s, p, cfg, worsts, chunk, sharding).peak_gib <= device_gib
+
+    if fits(0):
+        return 0
+    if not fits(1):
+        return None
+    lo, hi = 1, most  # fits(lo), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def predict(cfg: Config, shapes: ModelShapes, worst: BatchShape | Sequence[BatchShape], device_gib: float,
+            sharding: Sharding | None = None, precision: Precision | None = None) -> Prediction:
+    """Each role's peak at its worst batch (the max over `worst` when several are given)."""
+    worsts = [worst] if isinstance(worst, BatchShape) else list(worst)
+    sharding = sharding or Sharding.from_config(cfg)
+    p = precision or Precision.from_config(cfg)
+    chunk = cfg.objective.anchor_chunk
+    target = max((RolePrediction(target_terms(shapes, p, cfg, w, sharding), w) for w in worsts), key=lambda r: r.peak)
+    roles = {"target": target, "drafter": _drafter(shapes, p, cfg, worsts, chunk, sharding)}
+    unsure = None if shapes.arch in KNOWN_ARCHS else \
+        f"target architecture {shapes.arch!r} is not one the capture accounting describes ({', '.join(KNOWN_ARCHS)})"
+    return Prediction(roles=roles, device_gib=device_gib, anchor_chunk=chunk,
+                      best_anchor_chunk=largest_anchor_chunk(shapes, p, cfg, worsts, device_gib, sharding),
+                      unsure=unsure)
+
+
+def predict_for_plan(cfg: Config, lengths: np.ndarray, supervised: np.ndarray, device_gib: float,
+                     anchorable: np.ndarray | None = None, sharding: Sharding | None = None,
+                     target_shape: str | None = None) -> Prediction:
+    """`predict` at the worst batches of the run's own plans (what train's pre-flight calls with its
+    dataset's lengths, supervised and, when it has them, anchorable counts)."""
+    worst = worst_batches(cfg, lengths, supervised, anchorable)
+    return predict(cfg, model_shapes(cfg, target_shape), list(worst.values()), device_gib, sharding)
+
+
+def preflight_message(pred: Prediction, role: str) -> str | None:
+    """None when `role` fits; else what to change, naming the keys."""
+    r = pred.roles[role]
+    if r.peak_gib <= pred.device_gib:
+        return None
+    top = sorted(r.terms.items(), key=lambda kv: -kv[1])[:3]
+    where = ", ".join(f"{k} {v / GiB:.1f}" for k, v in top)
+    head = (f"memory pre-flight: the {role} role needs {r.peak_gib:.1f} GiB at its worst batch "
+            f"({r.worst.tokens:,} tokens, {r.worst.anchors:,} anchors) but the device has {pred.device_gib:.1f} GiB "
+            f"(largest terms, GiB: {where}). ")
+    if role == "drafter":
+        best = pred.best_anchor_chunk
+        hint = (f"set objective.anchor_chunk={best} (now {pred.anchor_chunk})" if best else
+                "no objective.anchor_chunk fits: lower plan.token_budget or objective.loss_rows")
+        return head + hint + ", or model.draft.checkpoint_layers=true, or a smaller plan.token_budget"
+    return head + "lower plan.token_budget (the capture and the packets follow it), transport.max_in_flight, " \
+                  "or raise model.target.tensor_parallel"
+
+
+def gib_table(pred: Prediction) -> str:
+    """One row per role: each term in GiB, the total and whether it fits."""
+    names = list(dict.fromkeys(k for r in pred.roles.values() for k in r.terms))
+    head = ["role"] + names + ["total", "fits"]
+    rows = [[role] + [f"{r.terms[n] / GiB:.2f}" if n in r.terms else "-" for n in names]
+            + [f"{r.peak_gib:.2f}", "yes" if pred.fits_role(role) else "NO"] for role, r in pred.roles.items()]
+    width = [max(len(x) for x in col) for col in zip(head, *rows)]
+    fmt = lambda cells: "  ".join(x.rjust(wd) for x, wd in zip(cells, width))  # noqa: E731
+    return "\n".join([fmt(head)] + [fmt(r) for r in rows])
+
+
+def drafter_saved(s: ModelShapes, p: Precision, cfg: Config, worst: BatchShape, chunk: int) -> float:
+    """Bytes autograd holds for backward at the drafter's peak (parameters and the packet left out): one
+    chunk's activations, what the context's backward keeps (and in float32 the context itself, which the
+    layers' projections keep), autocast's weight copies."""
+    t = drafter_terms(s, p, cfg, worst, chunk)
+    N, H, c = worst.tokens, s.hidden, p.drafter_compute
+    return t["activations"] + N * _norm_saved(H, 1, c) + (4 * N * H if c == 4 else 0) + t["weight_casts"]
