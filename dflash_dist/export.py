@@ -44,16 +44,17 @@ def export_config(spec: DraftSpec) -> dict:
     }
 
 
-def export_drafter(model: DFlashDrafter, out_dir: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Writes out_dir atomically (a temporary directory renamed into place)."""
+def export_drafter(spec: DraftSpec, state: dict, out_dir: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Writes the drafter `state` (a whole state dict) to out_dir atomically (a temporary directory
+    renamed into place)."""
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    cfg = export_config(model.spec)
+    cfg = export_config(spec)
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     if out_dir.exists():
         shutil.rmtree(out_dir)

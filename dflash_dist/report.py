@@ -4,6 +4,7 @@ do-nothing twin, chosen once, so the training loop has no rank-0 branches.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import replace
@@ -35,8 +36,11 @@ class NullReporter:
     def __exit__(self, *exc) -> None:
         pass
 
-    def evaluate(self, label: str) -> dict | None:
+    def evaluate(self, label: str, model) -> dict | None:
         return None
+
+    def save_due(self, next_step: int) -> bool:
+        return False
 
     def begin_training(self) -> None: ...
     def epoch_start(self, sched: EpochSchedule) -> None: ...
@@ -44,12 +48,11 @@ class NullReporter:
     def epoch_end(self, sched: EpochSchedule, seconds: float) -> None: ...
     def training_over(self) -> None: ...
     def stopped(self, kind: str = "stopped") -> None: ...
-    def maybe_save(self) -> None: ...
 
-    def save(self) -> Path | None:
+    def save(self, full: dict) -> Path | None:
         return None
 
-    def export(self) -> Path | None:
+    def export(self, model_state: dict) -> Path | None:
         return None
 
     def finish(self, digest: str, checkpoint: Path | None, exported: Path | None, tau_trained: dict | None) -> dict:
@@ -88,16 +91,20 @@ class Reporter(NullReporter):
         if self.sinks is not None:
             self.sinks.close()
 
-    def evaluate(self, label: str) -> dict | None:
+    def evaluate(self, label: str, model) -> dict | None:
         """tau by real draft-then-verify decoding on held-out prompts of the synthetic corpus (prepared
         data: `python -m dflash_dist.evaluate` after the run, where the whole target can be loaded)."""
         cfg = self.run.cfg
-        if cfg.train.eval_prompts <= 0 or cfg.data.path or cfg.model.target.tensor_parallel > 1:
-            return None  # (rank 0 then holds only the target's head)
+        if not evaluates(cfg):
+            return None
         from dflash_dist.evaluate import acceptance_length, heldout_prompts
         t0 = time.time()
-        r = acceptance_length(self.run.target, self.state.model, heldout_prompts(cfg, cfg.train.eval_prompts),
-                              cfg.train.eval_new_tokens)
+        # Under the training's autocast on CUDA: the attention then runs the graphs warmed up for training.
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.run.ctx.device.type == "cuda" \
+            else contextlib.nullcontext()
+        with autocast:
+            r = acceptance_length(self.run.target, model, heldout_prompts(cfg, cfg.train.eval_prompts),
+                                  cfg.train.eval_new_tokens)
         log.info("acceptance length tau (%s drafter): %.3f over %d verify steps of %d held-out prompts; speculative "
                  "output %s the target's greedy output (%.1fs)", label, r["tau"], r["num_steps"], r["num_prompts"],
                  "equals" if r["exact"] else f"DIFFERS ({r['mismatches']} prompts) from", time.time() - t0)
@@ -138,28 +145,27 @@ class Reporter(NullReporter):
         self.progress.skipped_steps = self.state.totals.skipped_steps  # a divergence ends before `step`
         self.monitor.report(kind=kind)
 
-    # -- rank 0's files: checkpoints (replicas are identical, so one copy) and the export ---------------
-    def save(self) -> Path:
+    # -- rank 0's files: checkpoints (one copy of the whole state) and the export -----------------------
+    def save(self, full: dict) -> Path:
         run = self.run
         self.last_save = time.time()
-        return self.state.save(run.cfg, run.ctx.layout, run.epoch_counts, run.plan_digests, self.history_now())
+        return self.state.write(full, run.cfg, run.ctx.layout, run.epoch_counts, run.plan_digests)
 
-    def maybe_save(self) -> None:
-        """Periodic saves by steps and/or minutes (rank 0 alone decides: no agreement is needed)."""
+    def save_due(self, next_step: int) -> bool:
+        """Periodic saves by steps and/or minutes: rank 0 decides, the step's stats carry the decision to
+        every drafter (under FSDP gathering the state is a collective)."""
         t = self.run.cfg.train
-        due_steps = t.checkpoint_every_steps > 0 and self.state.totals.steps % t.checkpoint_every_steps == 0
+        due_steps = t.checkpoint_every_steps > 0 and next_step % t.checkpoint_every_steps == 0
         due_time = t.checkpoint_every_min > 0 and time.time() - self.last_save >= 60 * t.checkpoint_every_min
-        if due_steps or due_time:
-            self.save()
+        return due_steps or due_time
 
-    def export(self) -> Path | None:
+    def export(self, model_state: dict) -> Path | None:
         if not self.run.cfg.train.export:
             return None
-        model = self.state.model
-        bad = [k for k, v in model.state_dict().items() if v.is_floating_point() and not torch.isfinite(v).all()]
+        bad = [k for k, v in model_state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
         if bad:
             raise FloatingPointError(f"refusing to export non-finite weights ({', '.join(bad[:3])})")
-        return export_drafter(model, self.run_dir / "export")
+        return export_drafter(self.run.spec, model_state, self.run_dir / "export")
 
     def finish(self, digest: str, checkpoint: Path | None, exported: Path | None, tau_trained: dict | None) -> dict:
         run, t, h, p = self.run, self.state.totals, self.state.history, self.progress
@@ -205,6 +211,12 @@ class Reporter(NullReporter):
                        drafter_compute_s=h.drafter_compute_s + p.drafter_compute_s,
                        target_wait_s=h.target_wait_s + p.target_wait_s,
                        target_compute_s=h.target_compute_s + p.target_compute_s, epochs=list(h.epochs))
+
+
+def evaluates(cfg) -> bool:
+    """Whether rank 0 measures tau in the run: synthetic data (a held-out split) and the whole target
+    on rank 0 (a tensor-parallel run holds only its head there)."""
+    return cfg.train.eval_prompts > 0 and not cfg.data.path and cfg.model.target.tensor_parallel == 1
 
 
 def make_reporter(run: RunSetup, state: TrainState, total_steps: int) -> NullReporter:

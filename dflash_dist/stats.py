@@ -9,7 +9,8 @@ from dataclasses import dataclass, field, fields
 import torch
 
 # Scalar fields in pack order; `correct` and `valid` (one per block slot) follow.
-_SCALARS = ("loss_sum", "weight_sum", "tokens", "seqs", "accept_sum", "blocks", "batches", "wait_s", "compute_s")
+_SCALARS = ("loss_sum", "weight_sum", "tokens", "seqs", "accept_sum", "blocks", "batches", "wait_s", "compute_s",
+            "save_due")
 
 
 @dataclass
@@ -24,6 +25,7 @@ class StepStats:
     batches: int = 0
     wait_s: float = 0.0  # cumulative seconds this drafter waited for packets (summed over drafters)
     compute_s: float = 0.0  # cumulative seconds of drafter compute
+    save_due: int = 0  # rank 0: a periodic checkpoint is due after this step (every drafter gathers for it)
     correct: torch.Tensor = field(default=None)  # (B,) hits per block slot
     valid: torch.Tensor = field(default=None)  # (B,) trained labels per slot
 

@@ -3,7 +3,7 @@
 Memory follows the anchor chunk, not the batch. The fused context (`fc` + `hidden_norm` over the batch's
 features) is computed once; its output is detached into a leaf that every anchor chunk reads, so each
 chunk's draft layers and loss are backwarded as soon as they are computed (their activations freed), the
-context's gradient accumulates in the leaf, and one final backward takes it through `fc`. Each chunk's
+context's gradient accumulates in the leaf, and the last chunk's backward takes it through `fc`. Each chunk's
 loss is divided by the weight sum of the WHOLE batch, so the chunks add up to exactly the unchunked loss
 and gradient. The LM head and cross-entropy run `loss_rows` rows at a time (`objective.lm_head_loss`).
 """
@@ -43,8 +43,10 @@ def merge_metrics(parts: list[StepMetrics]) -> StepMetrics:
 
 def drafter_step(model: DFlashDrafter, batch: PackedBatch, features: torch.Tensor, target: TargetLabels | None,
                  anchors: torch.Tensor, anchor_cu: torch.Tensor, *, gamma: float, anchor_chunk: int = 0,
-                 loss_rows: int = 8192, scale: float = 1.0, autocast=contextlib.nullcontext()) -> StepMetrics:
-    """Forward + backward of one batch; gradients accumulate in the parameters' .grad (scaled by `scale`)."""
+                 loss_rows: int = 8192, scale: float = 1.0, autocast=contextlib.nullcontext(),
+                 before_last_chunk=None) -> StepMetrics:
+    """Forward + backward of one batch; gradients accumulate in the parameters' .grad (scaled by `scale`).
+    `before_last_chunk()` runs before the last chunk (FSDP: reduce its gradients in that backward)."""
     A = anchors.numel()
     if A == 0:
         raise ValueError("a batch without any anchor reached the drafter step (the plan must skip such samples)")
@@ -55,16 +57,25 @@ def drafter_step(model: DFlashDrafter, batch: PackedBatch, features: torch.Tenso
     head = model.lm_head.weight
     with autocast:
         ctx = model.context(features)
-    leaf = ctx.detach().requires_grad_()
+    leaf = ctx.detach().requires_grad_()  # the chunks before the last accumulate the context's gradient here
     chunk = anchor_chunk if 0 < anchor_chunk < A else A
+    bounds = list(range(0, A, chunk))
     parts = []
-    for a in range(0, A, chunk):
-        sl = slice(a, a + chunk)
+    for a in bounds:
+        sl, last = slice(a, a + chunk), a == bounds[-1]
+        if last and before_last_chunk is not None:
+            before_last_chunk()
         with autocast:
-            hidden = model.draft_hidden(leaf, batch.input_ids, positions, anchors[sl], starts[sl])
+            # The last chunk reads the context itself: one backward then covers it, the accumulated
+            # gradient of the earlier chunks and fc + hidden_norm.
+            hidden = model.draft_hidden(ctx if last else leaf, batch.input_ids, positions, anchors[sl], starts[sl])
         chunk_soft = None if soft is None else (soft[0][sl], soft[1][sl])
         loss_sum, m = lm_head_loss(hidden.to(head.dtype), head, labels[sl], weights[sl], chunk_soft, rows=loss_rows)
-        (loss_sum * norm).backward()
+        if not last:
+            (loss_sum * norm).backward()
+        elif leaf.grad is None:
+            (loss_sum * norm).backward()
+        else:
+            torch.autograd.backward([loss_sum * norm, ctx], [None, leaf.grad])
         parts.append(m)
-    ctx.backward(leaf.grad)
     return merge_metrics(parts)

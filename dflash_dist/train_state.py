@@ -97,14 +97,14 @@ class TrainState:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, o.warmup_ratio, o.min_lr_ratio))
         return cls(model, opt, sched, Cursor(0, 0))
 
-    def state_dict(self, history: History | None = None) -> dict:
-        return {"drafter": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+    def full_state(self, sharding, history: History | None = None) -> dict:
+        """What a checkpoint holds, whole (a collective under FSDP: every drafter calls it)."""
+        return {"drafter": sharding.full_model_state(), "optimizer": sharding.full_optim_state(self.optimizer),
                 "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state(),
                 "totals": dataclasses.asdict(self.totals), "history": dataclasses.asdict(history or self.history)}
 
-    def load_state_dict(self, st: dict) -> None:
-        self.model.load_state_dict(st["drafter"])
-        self.optimizer.load_state_dict(st["optimizer"])
+    def load(self, st: dict, sharding) -> None:
+        sharding.load_full(self.optimizer, st["drafter"], st["optimizer"])
         self.scheduler.load_state_dict(st["scheduler"])
         torch.set_rng_state(st["rng"])
         self.totals = Totals(**st["totals"])
@@ -117,19 +117,20 @@ class TrainState:
                 "layout": checkpoint.layout_meta(layout, cfg.model.target.tensor_parallel), "config": to_dict(cfg), "epoch_counts": list(epoch_counts),
                 "plan_digests": list(plan_digests), "time": time.time()}
 
-    def save(self, cfg: Config, layout: Layout, epoch_counts, plan_digests, history: History | None = None) -> Path:
-        """Rank 0 only (replicas are identical). A non-finite weight is never written."""
-        bad = [k for k, v in self.model.state_dict().items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    def write(self, full: dict, cfg: Config, layout: Layout, epoch_counts, plan_digests) -> Path:
+        """Rank 0 writes what `full_state` gathered. A non-finite weight is never written."""
+        bad = [k for k, v in full["drafter"].items() if v.is_floating_point() and not torch.isfinite(v).all()]
         if bad:
             raise FloatingPointError(f"refusing to write a checkpoint with non-finite weights ({', '.join(bad[:3])})")
-        return checkpoint.save_checkpoint(Path(cfg.train.run_dir), self.totals.steps, self.state_dict(history),
+        return checkpoint.save_checkpoint(Path(cfg.train.run_dir), self.totals.steps, full,
                                           self.meta(cfg, layout, epoch_counts, plan_digests),
                                           keep_last=cfg.train.keep_last)
 
 
-def weights_digest(model: nn.Module) -> str:
+def weights_digest(state: dict) -> str:
+    """Fingerprint of a (whole) drafter state dict."""
     h = hashlib.sha256()
-    for k, v in sorted(model.state_dict().items()):
+    for k, v in sorted(state.items()):
         h.update(k.encode())
         h.update(v.detach().float().cpu().numpy().tobytes())
     return h.hexdigest()[:16]

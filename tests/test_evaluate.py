@@ -100,7 +100,8 @@ def test_heldout_prompts_are_new_and_from_the_corpus_rule():
 
 def test_cli_reports_tau(tmp_path, capsys):
     cfg, target, spec = setup(block_size=4)
-    export_drafter(build_drafter(spec, target, seed=1, device=CPU), tmp_path / "draft", dtype=torch.float32)
+    d = build_drafter(spec, target, seed=1, device=CPU)
+    export_drafter(d.spec, d.state_dict(), tmp_path / "draft", dtype=torch.float32)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps(PROMPTS[0]) + "\n" + json.dumps({"input_ids": PROMPTS[1]}) + "\n")
     assert read_prompts(prompts) == PROMPTS[:2]
@@ -117,5 +118,6 @@ def test_cli_reports_tau(tmp_path, capsys):
 
 def test_cli_rejects_a_drafter_of_another_target(tmp_path):
     cfg, target, spec = setup(block_size=4)
-    export_drafter(build_drafter(spec, target, seed=1, device=CPU), tmp_path / "draft", dtype=torch.float32)
+    d = build_drafter(spec, target, seed=1, device=CPU)
+    export_drafter(d.spec, d.state_dict(), tmp_path / "draft", dtype=torch.float32)
     assert main(["--draft", str(tmp_path / "draft"), "model.target.vocab_size=96", "--max-new-tokens", "2"]) == 2

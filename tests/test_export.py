@@ -45,7 +45,7 @@ def batch(target, spec):
 
 def test_files_keys_and_config(parts, tmp_path):
     _, target, spec, drafter = parts
-    out = export_drafter(drafter, tmp_path / "draft", dtype=torch.float32)
+    out = export_drafter(drafter.spec, drafter.state_dict(), tmp_path / "draft", dtype=torch.float32)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     tensors = load_file(str(out / "model.safetensors"))
     expected = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
@@ -65,7 +65,7 @@ def test_files_keys_and_config(parts, tmp_path):
 
 def test_round_trip_reproduces_logits_exactly(parts, tmp_path):
     _, target, spec, drafter = parts
-    export_drafter(drafter, tmp_path / "draft", dtype=torch.float32)
+    export_drafter(drafter.spec, drafter.state_dict(), tmp_path / "draft", dtype=torch.float32)
     loaded = load_drafter(tmp_path / "draft")
     assert loaded.spec == spec
     loaded.attach_target_head(target.embed_tokens, target.lm_head)
@@ -73,7 +73,7 @@ def test_round_trip_reproduces_logits_exactly(parts, tmp_path):
     with torch.no_grad():
         assert torch.equal(loaded(*args), drafter(*args))
     # Exporting again replaces the directory whole.
-    export_drafter(drafter, tmp_path / "draft", dtype=torch.bfloat16)
+    export_drafter(drafter.spec, drafter.state_dict(), tmp_path / "draft", dtype=torch.bfloat16)
     assert load_file(str(tmp_path / "draft" / "model.safetensors"))["fc.weight"].dtype == torch.bfloat16
     assert json.loads((tmp_path / "draft" / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert not (tmp_path / "draft.tmp").exists()
@@ -82,7 +82,7 @@ def test_round_trip_reproduces_logits_exactly(parts, tmp_path):
 def test_config_and_layers_load_in_transformers(parts, tmp_path):
     import transformers
     _, _, spec, drafter = parts
-    out = export_drafter(drafter, tmp_path / "draft", dtype=torch.float32)
+    out = export_drafter(drafter.spec, drafter.state_dict(), tmp_path / "draft", dtype=torch.float32)
     cfg = json.loads((out / "config.json").read_text())
     qcfg = transformers.Qwen3Config(**cfg)
     auto = transformers.AutoConfig.from_pretrained(str(out), local_files_only=True)

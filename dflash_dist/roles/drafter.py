@@ -1,8 +1,8 @@
 """Drafter role: recv features -> DFlash loss -> backward -> averaged gradients -> optimizer step.
 
 Drafters train in lockstep: a global step is one batch per drafter (schedule.py), and every step ends
-with the gradients summed over drafters and divided by the step's real batches (`all_reduce_grads`), so
-the replicas stay bitwise equal (checked at the end). Rank 0's other duties (monitor, wandb, evaluation,
+with the gradient averaged over the step's real batches: replicas all-reduce it once (and stay bitwise
+equal, checked at the end), FSDP2 shards reduce-scatter it (sharding.py). Rank 0's other duties (monitor, wandb, evaluation,
 checkpoints, export, summary) live in report.py; every other rank gets the do-nothing twin.
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ import logging
 import math
 import time
 from collections import deque
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -21,15 +22,15 @@ from dflash_dist.capture import capture_for_drafter, packet_spec
 from dflash_dist.checkpoint import Cursor
 from dflash_dist.config import loss_gamma
 from dflash_dist.data.collate import PackedBatch, collate
-from dflash_dist.dist import all_reduce_grads, broadcast_params
 from dflash_dist.models import attention
 from dflash_dist.models.build import build_drafter
 from dflash_dist.objective import anchor_generator, draw_anchors
 from dflash_dist.plan import BatchPlan, epoch_plan, plan_digest
-from dflash_dist.report import make_reporter
+from dflash_dist.report import evaluates, make_reporter
 from dflash_dist.run import RoleResult, RunSetup
 from dflash_dist.schedule import EpochSchedule, Votes
 from dflash_dist.stats import Diverged, StepStats, device_clock
+from dflash_dist.sharding import make_sharding, total_norm
 from dflash_dist.step import drafter_step
 from dflash_dist.stop import StopAgreement
 from dflash_dist.train_state import TrainState, weights_digest
@@ -103,14 +104,17 @@ class Drafter:
         self.D, self.j = self.layout.num_drafters, self.layout.drafter_index(ctx.rank)
         model = build_drafter(run.spec, run.target, cfg.model.draft.seed, self.device,
                               checkpoint_layers=cfg.model.draft.checkpoint_layers)
+        # Drafter 0's weights to every replica, or FSDP2 shards: before the optimizer sees the parameters.
+        self.sharding = make_sharding(cfg.roles.drafter_sharding, model, ctx.drafter_group, self.device,
+                                      src=self.layout.drafter_ranks()[0])
+        self.params = self.sharding.params
         self.total_steps = self._total_steps()
         self.state = TrainState.create(model, cfg, self.total_steps)
         if run.resume_from is not None:
-            self.state.load_state_dict(checkpoint.load_state(run.resume_from))
+            self.state.load(checkpoint.load_state(run.resume_from), self.sharding)
             log.info("resumed from %s at epoch %d batch %d (optimizer step %d of %d)", run.resume_from,
                      run.cursor.epoch + 1, run.cursor.batch, self.state.totals.steps, self.total_steps)
         self.state.cursor = run.cursor
-        self.params = [p for p in model.parameters() if p.requires_grad]
         self.packets = packet_spec(cfg, run.spec, self.device)
         self.gamma = loss_gamma(cfg.objective)
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" \
@@ -119,8 +123,8 @@ class Drafter:
         self.wait_s = self.compute_s = self.local_target_s = 0.0
         self.target_counters = torch.zeros(ctx.world_size, 2, dtype=torch.float64, device=self.device)
         self.reporter = make_reporter(run, self.state, self.total_steps)
-        self.warm_up()  # compiles before the first collective, so no timeout counts a compile
-        broadcast_params(model, ctx.drafter_group, src=self.layout.drafter_ranks()[0])
+        self.save_due = False
+        self.warm_up()  # compiles before the training's collectives, so no timeout counts a compile
 
     def _total_steps(self) -> int:
         """Optimizer steps of the whole run: those already taken (a resume) plus those left on this layout."""
@@ -134,7 +138,7 @@ class Drafter:
         state, epochs = self.state, self.run.cfg.train.epochs
         with self.reporter:
             if self.run.resume_from is None:
-                state.history.tau_untrained = self.reporter.evaluate("untrained")
+                state.history.tau_untrained = self.evaluate("untrained")
             self.reporter.begin_training()
             for epoch in range(state.cursor.epoch, epochs):
                 try:
@@ -166,7 +170,8 @@ class Drafter:
             self.train_step(sched, step, inbox)
             done = step + 1 == sched.steps
             self.state.cursor = Cursor(epoch + 1, 0) if done else Cursor(epoch, sched.next_batch(step + 1))
-            self.reporter.maybe_save()
+            if self.save_due:
+                self.save()
         inbox.check_empty()
         self.reporter.epoch_end(sched, time.time() - t0)
         if votes.finish() and epoch + 1 < cfg.train.epochs:
@@ -184,30 +189,36 @@ class Drafter:
     def train_step(self, sched: EpochSchedule, step: int, inbox: Inbox) -> None:
         """Receive (or idle in a tail step), forward/backward, then the synchronised optimizer step."""
         stats = StepStats(self.run.cfg.objective.block_size)
-        b = sched.batch(step, self.j)
+        b, real = sched.batch(step, self.j), sched.real(step)
         t0, local0 = self.clock(), self.local_target_s
         t1 = t0
+        self.sharding.begin_step()
         if b is not None:
             packet = inbox.take(b)
             t1 = self.clock()
             self.wait_s += t1 - t0 - (self.local_target_s - local0)
             self.target_counters[packet_src(inbox, packet, self.run.ctx.rank)] = torch.tensor(
                 [packet.sender_compute_s, packet.sender_wait_s], dtype=torch.float64)
-            self._forward_backward(packet, sched.epoch, b, stats)
-        all_reduce_grads(self.params, self.run.ctx.drafter_group, divisor=sched.real(step))
+            self._forward_backward(packet, sched.epoch, b, stats, self.sharding.loss_scale(real))
+        elif self.sharding.idle_computes:
+            self.dummy_step(scale=0.0)  # FSDP's gathers and reduce-scatters need every drafter
+        self.sharding.finish_grads(real)
         stats.wait_s, stats.compute_s = self.wait_s, self.compute_s + self.clock() - t1
+        stats.save_due = int(self.reporter.save_due(self.state.totals.steps + 1))
         total = self._reduce(stats)
+        self.save_due = total.save_due > 0
         norm = self._optimizer_step(total)
         self.compute_s += self.clock() - t1
         self.reporter.step(total, self.target_counters, self.state.scheduler.get_last_lr()[0], norm)
 
-    def _forward_backward(self, packet: Packet, epoch: int, b: int, stats: StepStats) -> None:
+    def _forward_backward(self, packet: Packet, epoch: int, b: int, stats: StepStats, scale: float) -> None:
         o, d = self.run.cfg.objective, packet.batch_data
         anchors, anchor_cu = draw_anchors(d.loss_mask, d.cu_seqlens, o.block_size, o.num_anchors,
                                           anchor_generator(self.run.cfg.train.seed, epoch, b))
         m = drafter_step(self.state.model, d, packet.features, packet.target, anchors.to(self.device),
                          anchor_cu.to(self.device), gamma=self.gamma, anchor_chunk=o.anchor_chunk,
-                         loss_rows=o.loss_rows, autocast=self.autocast)
+                         loss_rows=o.loss_rows, scale=scale, autocast=self.autocast,
+                         before_last_chunk=self.sharding.before_last_chunk)
         stats.loss_sum, stats.weight_sum, stats.accept_sum, stats.blocks = m.loss_sum, m.weight_sum, m.accept_sum, m.num_blocks
         stats.tokens, stats.seqs, stats.batches = d.num_tokens, d.num_seqs, 1
         stats.correct, stats.valid = m.correct.double(), m.valid.double()
@@ -225,7 +236,7 @@ class Drafter:
         finite: then the step is skipped on every drafter alike, and too many such steps end the run."""
         cfg, state = self.run.cfg, self.state
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-        norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
+        norm = total_norm(torch.nn.utils.clip_grad_norm_(self.params, clip))
         state.totals.steps += 1
         if math.isfinite(norm) and math.isfinite(total.loss_sum):
             state.optimizer.step()
@@ -245,43 +256,66 @@ class Drafter:
 
     # -- start and end ----------------------------------------------------------------------------
     def warm_up(self) -> None:
-        """One forward/backward on a small packed batch (compiles the attention paths), then the gradients
+        """Compile the attention paths and run one step on a small batch before training; its gradients
         are dropped: nothing of it reaches the weights, the optimizer or any RNG that training uses."""
         B, dev, spec = self.run.cfg.objective.block_size, self.device, self.run.spec
         attention.warm_up(dev, torch.float32, heads=spec.num_heads, kv_heads=spec.num_kv_heads,
-                                   head_dim=spec.head_dim, block_size=B, ops=("block",),
-                                   autocast_dtype=torch.bfloat16 if dev.type == "cuda" else None)
-        lens = [B + 3, 2 * B + 1]
-        cu = torch.tensor([0, lens[0], sum(lens)], device=dev)
-        ids = torch.zeros(sum(lens), dtype=torch.long, device=dev)
-        batch = PackedBatch(ids, torch.ones_like(ids, dtype=torch.bool), cu)
-        gen = torch.Generator().manual_seed(0)
-        anchors, anchor_cu = draw_anchors(batch.loss_mask, batch.cu_seqlens, B, 2, gen)
-        feats = torch.zeros(sum(lens), self.packets.feat_dim, dtype=self.packets.dtype, device=dev)
+                          head_dim=spec.head_dim, block_size=B, ops=("block",),
+                          autocast_dtype=torch.bfloat16 if dev.type == "cuda" else None)
         t0 = time.perf_counter()
-        drafter_step(self.state.model, batch, feats, None, anchors.to(dev), anchor_cu.to(dev), gamma=self.gamma,
-                     anchor_chunk=1, autocast=self.autocast)
+        self.sharding.begin_step()
+        self.dummy_step(scale=1.0)
         for p in self.params:
             p.grad = None
         log.info("warm-up step done in %.1fs", time.perf_counter() - t0)
 
+    def dummy_step(self, scale: float) -> None:
+        """Forward/backward of a small fixed packed batch (the warm-up; a tail step's idle drafter under
+        FSDP, with scale 0)."""
+        B, dev = self.run.cfg.objective.block_size, self.device
+        lens = [B + 3, 2 * B + 1]
+        cu = torch.tensor([0, lens[0], sum(lens)], device=dev)
+        ids = torch.zeros(sum(lens), dtype=torch.long, device=dev)
+        batch = PackedBatch(ids, torch.ones_like(ids, dtype=torch.bool), cu)
+        anchors, anchor_cu = draw_anchors(batch.loss_mask, batch.cu_seqlens, B, 2, torch.Generator().manual_seed(0))
+        feats = torch.zeros(sum(lens), self.packets.feat_dim, dtype=self.packets.dtype, device=dev)
+        drafter_step(self.state.model, batch, feats, None, anchors.to(dev), anchor_cu.to(dev), gamma=self.gamma,
+                     anchor_chunk=1, scale=scale, autocast=self.autocast,
+                     before_last_chunk=self.sharding.before_last_chunk)
+
+    def save(self) -> Path | None:
+        """Every drafter gathers (a collective under FSDP); rank 0 writes."""
+        full = self.state.full_state(self.sharding, self.reporter.history_now())
+        return self.reporter.save(full)
+
+    def evaluate(self, label: str) -> dict | None:
+        """tau on rank 0, with the whole drafter (under FSDP a plain copy of the gathered weights)."""
+        if not evaluates(self.run.cfg):
+            return None
+        model = self.state.model
+        if self.sharding.kind == "fsdp":
+            model = build_drafter(self.run.spec, self.run.target, 0, self.device)
+            model.load_state_dict(self.sharding.full_model_state())
+        return self.reporter.evaluate(label, model)
+
     def stop(self, cursor: Cursor) -> RoleResult:
         self.state.cursor = cursor
-        path = self.reporter.save()
+        path = self.save()
         self.reporter.stopped()
         log.warning("stopped on request at epoch %d batch %d (%s); %s", cursor.epoch + 1, cursor.batch,
                     self.run.stop_flag.describe(), f"saved {path}" if path else "rank 0 saves the checkpoint")
         return RoleResult(True, cursor, {"checkpoint": str(path) if path else None})
 
     def finish(self) -> RoleResult:
-        digest = self.check_replicas()
-        ckpt, exported = self.reporter.save(), self.reporter.export()
-        summary = self.reporter.finish(digest, ckpt, exported, self.reporter.evaluate("trained"))
+        weights = self.sharding.full_model_state()
+        digest = self.check_replicas(weights)
+        ckpt, exported = self.save(), self.reporter.export(weights)
+        summary = self.reporter.finish(digest, ckpt, exported, self.evaluate("trained"))
         return RoleResult(False, Cursor(self.run.cfg.train.epochs, 0), summary)
 
-    def check_replicas(self) -> str:
-        """Every drafter's weights must be bitwise equal; compare digests over the group."""
-        digest = weights_digest(self.state.model)
+    def check_replicas(self, weights: dict) -> str:
+        """Every drafter's (whole) weights must be bitwise equal; compare digests over the group."""
+        digest = weights_digest(weights)
         mine = torch.tensor([int(digest[:15], 16)], dtype=torch.int64, device=self.device)
         every = [torch.zeros_like(mine) for _ in range(self.D)]
         dist.all_gather(every, mine, group=self.run.ctx.drafter_group)
