@@ -18,11 +18,10 @@ PacketError naming the sender on any mismatch. A sender keeps at most `max_in_fl
 outstanding per drafter: a Qwen3-8B batch is ~2 GB of features, so an unbounded queue is an OOM.
 Nothing is pickled.
 
-On CPU the receiver takes its feature buffer from a small pool instead of a fresh allocation: a fresh
-tensor above glibc's mmap threshold (32 MiB at most) is fresh pages, and touching them for the first
-time cost more than the copy off the socket (docs/benchmarks.md, transport). A pooled buffer is handed
-out again only once nothing but the pool refers to its storage, so a packet the caller still holds (or
-that autograd saved) is never overwritten. CUDA tensors need no pool: the caching allocator is one.
+On CPU a receiver may take its feature buffers from its own `RecvPool` instead of fresh allocations: a
+fresh tensor above glibc's mmap threshold (32 MiB at most) is fresh pages, and touching them for the
+first time cost more than the copy off the socket (docs/benchmarks.md, transport). The receiver gives a
+buffer back once the step that used it is done. CUDA tensors need no pool: the caching allocator is one.
 """
 from __future__ import annotations
 
@@ -43,43 +42,41 @@ class PacketError(RuntimeError):
     pass
 
 
-def _storage_refs(t: torch.Tensor) -> int:
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-
-
-class _RecvPool:
-    """Reusable flat CPU byte buffers; see the module docstring for why and when one is reused."""
+class RecvPool:
+    """Reusable flat CPU byte buffers for one receiver's feature packets. `take` hands a buffer out; the
+    receiver gives it back (`give_back`) once the packet is consumed, i.e. after the step whose backward
+    used it, so a buffer in use is never handed out again. At most `max_buffers` idle ones are kept;
+    when none is large enough, the largest idle one is dropped rather than held beside a new one."""
 
     def __init__(self, max_buffers: int = 8):
         self.max_buffers = max_buffers
-        self.buffers: list[torch.Tensor] = []
-        # References a storage held by one lone tensor reports here (the count's probe adds its own).
-        self.idle_refs = _storage_refs(torch.empty(1, dtype=torch.uint8))
+        self.idle: list[torch.Tensor] = []
 
     def take(self, nbytes: int) -> torch.Tensor:
-        free = [b for b in self.buffers if _storage_refs(b) == self.idle_refs]
-        fits = [b for b in free if b.numel() >= nbytes]
+        fits = [b for b in self.idle if b.numel() >= nbytes]
         if fits:
-            return min(fits, key=torch.Tensor.numel)[:nbytes]
-        if free:  # none large enough: replace the largest idle one rather than grow the pool
-            victim = max(free, key=torch.Tensor.numel)
-            # By identity: list.remove would compare tensors elementwise.
-            self.buffers = [b for b in self.buffers if b is not victim]
-        buf = torch.empty(nbytes, dtype=torch.uint8)
-        if len(self.buffers) < self.max_buffers:
-            self.buffers.append(buf)
-        return buf[:nbytes]  # always a new view: the pool's own tensor must not count as the caller's
+            buf = min(fits, key=torch.Tensor.numel)
+            self.idle = [b for b in self.idle if b is not buf]  # by identity: `remove` compares elementwise
+            return buf[:nbytes]
+        if self.idle:  # none large enough: drop the largest idle one rather than hold both
+            victim = max(self.idle, key=torch.Tensor.numel)
+            self.idle = [b for b in self.idle if b is not victim]
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def give_back(self, t: torch.Tensor) -> None:
+        """Return the buffer behind `t` (a tensor `take` made, or a view of it)."""
+        storage = t.untyped_storage()
+        base = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
+        if len(self.idle) < self.max_buffers:
+            self.idle.append(base)
 
 
-# One per process, like an allocator cache. Without the private use count there is no safe reuse test.
-_POOL = _RecvPool() if hasattr(torch._C, "_storage_Use_Count") else None
-
-
-def _recv_buffer(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    if _POOL is None or torch.device(device).type != "cpu":
+def _recv_buffer(shape: tuple[int, int], dtype: torch.dtype, device: torch.device,
+                 pool: RecvPool | None) -> torch.Tensor:
+    if pool is None or torch.device(device).type != "cpu":
         return torch.empty(shape, dtype=dtype, device=device)
     nbytes = shape[0] * shape[1] * torch.empty((), dtype=dtype).element_size()
-    return _POOL.take(nbytes).view(dtype).view(shape)
+    return pool.take(nbytes).view(dtype).view(shape)
 
 
 @dataclass(frozen=True)
@@ -170,12 +167,12 @@ class PendingPacket:
     values tensor follows the features (see the module docstring)."""
 
     def __init__(self, src, epoch, batch, n_tokens, n_seqs, feat_dim, dtype, device, group=None,
-                 label_width: int = 0, soft: bool = False):
+                 label_width: int = 0, soft: bool = False, pool: RecvPool | None = None):
         self.src, self.expect = src, (MAGIC, epoch, batch, n_tokens, n_seqs, feat_dim)
         self.label_width = label_width
         self.header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
         self.meta = torch.empty((2 + label_width) * n_tokens + n_seqs + 1, dtype=torch.int64, device=device)
-        self.features = _recv_buffer((n_tokens, feat_dim), dtype, device)
+        self.features = _recv_buffer((n_tokens, feat_dim), dtype, device, pool)
         tensors = [self.header, self.meta, self.features]
         # Small next to the features (k floats per token): a fresh buffer, not the pool's.
         self.values = torch.empty(n_tokens, label_width, dtype=torch.float32, device=device) if soft else None

@@ -102,31 +102,3 @@ def test_gpu_check_flop_count():
     assert per_layer_weights == 192_937_984
     assert gpu_check.target_flops(tc, [1], 1) == 2 * per_layer_weights + 4 * 32 * 128
     assert gpu_check.target_flops(tc, [3, 2], 36) == 36 * (2 * per_layer_weights * 5 + 4 * 32 * 128 * (6 + 3))
-
-
-def test_recv_pool_reuses_only_idle_buffers():
-    """The transport's CPU receive pool (bench: transport) never hands out storage someone still holds."""
-    pool = transport._RecvPool(max_buffers=2)
-    a = pool.take(1000)
-    b = pool.take(1000)
-    assert a.data_ptr() != b.data_ptr()
-    view = a[10:20].view(torch.int16)  # a view keeps the storage busy after its tensor is gone
-    pa = a.data_ptr()
-    del a
-    c = pool.take(500)
-    assert c.data_ptr() not in (pa, b.data_ptr())
-    del view
-    assert pool.take(400).data_ptr() == pa  # idle again: reused, no fresh pages
-    big = pool.take(5000)  # nothing idle is large enough: the largest idle buffer is replaced
-    assert big.numel() == 5000 and len(pool.buffers) <= 2
-
-
-def test_recv_pool_replaces_an_idle_buffer_behind_a_busy_one():
-    """The buffer to replace is found by identity, also when it is not the first in the pool."""
-    pool = transport._RecvPool(max_buffers=2)
-    busy = pool.take(100)
-    idle = pool.take(200)
-    del idle
-    grown = pool.take(300)
-    assert [b.numel() for b in pool.buffers] == [100, 300]
-    assert busy.data_ptr() == pool.buffers[0].data_ptr() and grown.data_ptr() == pool.buffers[1].data_ptr()

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from dflash_dist.data.collate import PackedBatch
 from helpers import spawn
 
-from dflash_dist.transport import PacketError, PacketSender, PendingPacket
+from dflash_dist.transport import PacketError, PacketSender, PendingPacket, RecvPool
 
 
 def _batch(seed):
@@ -68,12 +68,27 @@ def test_header_mismatch_is_a_clear_error():
     assert "target rank 1" in errors[0] and "batch: expected 1, got 2" in errors[0]
 
 
-def test_receive_pool_replaces_an_idle_buffer_when_sizes_grow():
-    from dflash_dist.transport import _RecvPool
-    pool = _RecvPool(max_buffers=2)
-    a = pool.take(100)
-    del a
-    b = pool.take(200)  # the idle 100-byte buffer is too small: it is replaced, not compared elementwise
-    held = pool.take(50)  # b is still referenced: a second buffer is used, b is not handed out again
-    assert b.data_ptr() != held.data_ptr()
-    assert len(pool.buffers) <= 2
+def test_recv_pool_hands_out_only_buffers_given_back():
+    """The transport's CPU receive pool (bench: transport): a buffer returns only by `give_back`."""
+    pool = RecvPool(max_buffers=2)
+    a = pool.take(1000)
+    b = pool.take(1000)
+    assert a.data_ptr() != b.data_ptr()
+    pa = a.data_ptr()
+    c = pool.take(500)  # a is still out: never handed out again before it comes back
+    assert c.data_ptr() not in (pa, b.data_ptr())
+    pool.give_back(a[10:20].view(torch.int16))  # a view gives back the whole buffer behind it
+    reused = pool.take(400)
+    assert reused.data_ptr() == pa and pool.idle == []  # the smallest idle buffer that fits, taken out
+    pool.give_back(reused)
+    big = pool.take(5000)  # nothing idle is large enough: the largest idle one is dropped, not kept
+    assert big.numel() == 5000 and pool.idle == []
+
+
+def test_recv_pool_keeps_at_most_max_buffers():
+    pool = RecvPool(max_buffers=2)
+    out = [pool.take(100 * (i + 1)) for i in range(3)]
+    for t in out:
+        pool.give_back(t)
+    assert [b.numel() for b in pool.idle] == [100, 200]
+    assert pool.take(150).numel() == 150 and [b.numel() for b in pool.idle] == [100]

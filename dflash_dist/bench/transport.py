@@ -33,8 +33,7 @@ import torch.multiprocessing as mp
 
 from dflash_dist.bench.common import sync
 from dflash_dist.data.collate import PackedBatch
-from dflash_dist import transport
-from dflash_dist.transport import HEADER_LEN, PacketSender, PendingPacket
+from dflash_dist.transport import HEADER_LEN, PacketSender, PendingPacket, RecvPool
 
 FEAT_DIM = 5 * 4096  # five captured layers of a Qwen3-8B-sized target
 MiB = 1 << 20
@@ -94,17 +93,17 @@ def run_case(rank: int, device: torch.device, name: str, n_tokens: int, feat_dim
         sender.send(1, 0, next(counter), batch, feats, 0.0, 0.0)
         sender.flush()
 
-    def packet_recv():
-        p = PendingPacket(0, 0, next(counter), batch.num_tokens, batch.num_seqs, feat_dim, torch.bfloat16,
-                          device).wait()
-        assert p.features.shape == (n_tokens, feat_dim)
+    pool = RecvPool() if device.type == "cpu" else None
 
-    def fresh_recv():  # the receiver as it was before the CPU buffer pool: a new allocation per packet
-        pool, transport._POOL = transport._POOL, None
-        try:
-            packet_recv()
-        finally:
-            transport._POOL = pool
+    def packet_recv(pool=pool):
+        p = PendingPacket(0, 0, next(counter), batch.num_tokens, batch.num_seqs, feat_dim, torch.bfloat16,
+                          device, pool=pool).wait()
+        assert p.features.shape == (n_tokens, feat_dim)
+        if pool is not None:
+            pool.give_back(p.features)
+
+    def fresh_recv():  # the receiver without a buffer pool: a new allocation per packet
+        packet_recv(pool=None)
 
     raw_paths = (lambda: dist.send(raw, 1), lambda: dist.recv(raw, 0))
     n, s = batch.num_tokens, batch.num_seqs

@@ -34,7 +34,7 @@ from dflash_dist.sharding import make_sharding, total_norm
 from dflash_dist.step import drafter_step
 from dflash_dist.stop import StopAgreement
 from dflash_dist.train_state import TrainState, weights_digest
-from dflash_dist.transport import Packet, PacketError, PendingPacket
+from dflash_dist.transport import Packet, PacketError, PendingPacket, RecvPool
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class Inbox:
             return LocalPacket(d, self.plan, self.sched.epoch, b)
         n_tok, n_seq = spec.shape(d.run.dataset.lengths, self.plan.batch(b))
         return PendingPacket(self.sched.route(d.layout, b)[0], self.sched.epoch, b, n_tok, n_seq, spec.feat_dim,
-                             spec.dtype, d.device, label_width=spec.label_width, soft=spec.soft)
+                             spec.dtype, d.device, label_width=spec.label_width, soft=spec.soft, pool=d.pool)
 
     def take(self, b: int) -> Packet:
         got, pp = self.pending.popleft()
@@ -91,6 +91,11 @@ class Inbox:
             raise
         except Exception as exc:  # the backend's error says "connection closed", not who is gone
             raise RuntimeError(f"lost target rank {pp.src} while receiving batch {b}: {exc}") from exc
+
+    def done(self, packet: Packet) -> None:
+        """The step that used `packet` is over: its feature buffer may be received into again."""
+        if self.d.pool is not None and not self.d.layout.colocated:
+            self.d.pool.give_back(packet.features)
 
     def check_empty(self) -> None:
         # Packets requested past an agreed stop, or batches never consumed, would mean a broken route.
@@ -116,6 +121,7 @@ class Drafter:
                      run.cursor.epoch + 1, run.cursor.batch, self.state.totals.steps, self.total_steps)
         self.state.cursor = run.cursor
         self.packets = packet_spec(cfg, run.spec, self.device)
+        self.pool = RecvPool() if self.device.type == "cpu" else None  # CUDA: the caching allocator is one
         self.gamma = loss_gamma(cfg.objective)
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" \
             else contextlib.nullcontext()
@@ -200,6 +206,7 @@ class Drafter:
             self.target_counters[packet_src(inbox, packet, self.run.ctx.rank)] = torch.tensor(
                 [packet.sender_compute_s, packet.sender_wait_s], dtype=torch.float64)
             self._forward_backward(packet, sched.epoch, b, stats, self.sharding.loss_scale(real))
+            inbox.done(packet)
         elif self.sharding.idle_computes:
             self.dummy_step(scale=0.0)  # FSDP's gathers and reduce-scatters need every drafter
         self.sharding.finish_grads(real)
