@@ -100,6 +100,9 @@ class Sharding:
     tensor_parallel: int = 1
     drafters: int = 1
     fsdp: bool = False
+    # torch DDP keeps flat gradient buckets (a second copy of the gradients). The drafter role does not
+    # use DDP (one flat-bucket all-reduce per step after the chunks, dist.all_reduce_grads), so off.
+    ddp: bool = False
     drafters_per_target: int = 1  # drafters one target replica sends to (its packets in flight)
 
     @classmethod
@@ -367,6 +370,7 @@ def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, worst: BatchShape, 
         "params": 4 * P / shard,
         "grads": 4 * P / shard,
         "adamw": 8 * P / shard,
+        "ddp_buckets": 4 * P if sharding.ddp and not sharding.fsdp else 0,
         # autocast's bf16 copies of the weights, kept by the matmuls for backward
         "weight_casts": c * P if p.autocast else 0,
         "embed_head": V * H * tb * (1 if s.tied else 2),
@@ -515,7 +519,7 @@ def preflight_message(pred: Prediction, role: str) -> str | None:
 
 def gib_table(pred: Prediction) -> str:
     """One row per role: each term in GiB, the total and whether it fits."""
-    names = list(dict.fromkeys(k for r in pred.roles.values() for k in r.terms))
+    names = list(dict.fromkeys(k for r in pred.roles.values() for k, v in r.terms.items() if v))
     head = ["role"] + names + ["total", "fits"]
     rows = [[role] + [f"{r.terms[n] / GiB:.2f}" if n in r.terms else "-" for n in names]
             + [f"{r.peak_gib:.2f}", "yes" if pred.fits_role(role) else "NO"] for role, r in pred.roles.items()]
