@@ -63,6 +63,7 @@ class ModelShapes:
     feature_layers: tuple[int, ...]  # target layer ids whose outputs the drafter reads
     block_size: int
     arch: str = "tiny"
+    source: str = "config"  # where the target's shape came from
 
     @property
     def target_params(self) -> int:
@@ -177,26 +178,31 @@ class Prediction:
 # -- shapes --------------------------------------------------------------------------------------------
 
 def model_shapes(cfg: Config, target_shape: str | None = None) -> ModelShapes:
-    """Shapes from the config: the tiny target's fields, or for kind=hf the target's config.json (else
-    the built-in `target_shape`, so a config can be evaluated on a machine without the weights)."""
+    """Shapes from the config: the tiny target's fields, or for kind=hf the target's config.json. Without
+    one (a machine without the weights), the built-in `target_shape`, or the table entry named like the
+    target's directory (/models/Qwen3-8B -> qwen3-8b); `source` says which."""
     tc = cfg.model.target
     if tc.kind == "tiny":
         t = dict(vocab=tc.vocab_size, hidden=tc.hidden_size, layers=tc.num_layers, heads=tc.num_heads,
                  kv_heads=tc.num_kv_heads, head_dim=tc.head_dim, intermediate=tc.intermediate_size, tied=False,
-                 arch="tiny")
+                 arch="tiny", source="config (tiny target)")
     else:
         from pathlib import Path
         from dflash_dist.models.head import read_config, shape_facts
-        if (Path(tc.path) / "config.json").is_file():
+        conf = Path(tc.path) / "config.json"
+        named = Path(tc.path).name.lower()
+        if conf.is_file():
             raw = read_config(tc.path)
-            f = shape_facts(raw, str(Path(tc.path) / "config.json"))
+            f = shape_facts(raw, str(conf))
             t = dict(vocab=f["vocab_size"], hidden=f["hidden_size"], layers=f["num_layers"], heads=f["num_heads"],
                      kv_heads=f["num_kv_heads"], head_dim=f["head_dim"], intermediate=f["intermediate_size"],
-                     tied=f["tied"], arch=str(raw.get("model_type", "?")))
-        elif target_shape:
-            if target_shape not in TARGET_SHAPES:
-                raise ValueError(f"--target-shape {target_shape!r}: one of {sorted(TARGET_SHAPES)}")
-            t = dict(TARGET_SHAPES[target_shape])
+                     tied=f["tied"], arch=str(raw.get("model_type", "?")), source=str(conf))
+        elif target_shape or named in TARGET_SHAPES:
+            key = target_shape or named
+            if key not in TARGET_SHAPES:
+                raise ValueError(f"--target-shape {key!r}: one of {sorted(TARGET_SHAPES)}")
+            how = "given" if target_shape else "named like model.target.path, which has no config.json"
+            t = dict(TARGET_SHAPES[key], source=f"built-in shape {key} ({how})")
         else:
             raise FileNotFoundError(f"model.target.path={tc.path}: no config.json; give a built-in shape "
                                     f"(--target-shape {'|'.join(TARGET_SHAPES)})")

@@ -256,7 +256,8 @@ def evaluate(cfg: Config, device_gib: float, target_shape: str | None = None) ->
     lengths, supervised, anchorable, source = M.plan_lengths(cfg)
     worst = M.worst_batches(cfg, lengths, supervised, anchorable)
     pred = M.predict(cfg, shapes, list(worst.values()), device_gib)
-    return pred, {"source": source, "worst_batches": {k: w.summary() for k, w in worst.items()}}
+    return pred, {"source": source, "target_shape": shapes.source,
+                  "worst_batches": {k: w.summary() for k, w in worst.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -276,8 +277,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     out = sys.stdout
-    out.write(f"{args.config} {' '.join(args.overrides)}: worst batches of {info['source']}: "
-              f"{info['worst_batches']}\n")
+    out.write(f"{args.config} {' '.join(args.overrides)}\ntarget shape: {info['target_shape']}\n"
+              f"worst batches of {info['source']}: {info['worst_batches']}\n")
     out.write(M.gib_table(pred) + "\n")
     out.write(f"device {pred.device_gib:g} GiB: {'fits' if pred.fits else 'does NOT fit'}; objective.anchor_chunk="
               f"{pred.anchor_chunk}, largest that fits: {pred.best_anchor_chunk}\n")
