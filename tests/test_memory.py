@@ -121,9 +121,10 @@ SMALL = BM.Scaled(hidden=128, vocab=4096, intermediate=384, head_dim=32, seqs=2,
                   anchor_chunk=64, loss_rows=512)
 
 
-@pytest.mark.parametrize("bf16", [False, True])
-def test_prediction_matches_measurement_at_a_scaled_shape(bf16):
-    v = BM.validate(replace(SMALL, bf16=bf16), time_steps=False)
+@pytest.mark.parametrize("bf16,labels", [(False, "data"), (True, "data"), (True, "target_soft"),
+                                         (False, "target_argmax")])
+def test_prediction_matches_measurement_at_a_scaled_shape(bf16, labels):
+    v = BM.validate(replace(SMALL, bf16=bf16, labels=labels), time_steps=False)
     assert v["batch"]["anchors"] == 512
     ratios = {"target": v["target"]["predicted"] / v["target"]["measured"]}
     for name in ("chunked", "unchunked"):

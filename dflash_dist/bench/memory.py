@@ -122,6 +122,7 @@ class Scaled:
     # bf16 target and features, drafter under CPU autocast: the dtype accounting of a CUDA run (on the
     # sdpa path; flex has no CPU backward).
     bf16: bool = False
+    labels: str = "data"  # objective.labels
 
     @property
     def precision(self) -> M.Precision:
@@ -137,7 +138,7 @@ class Scaled:
                 f"model.target.dtype={'bfloat16' if self.bf16 else 'float32'}",
                 f"objective.num_anchors={self.num_anchors}", f"objective.anchor_chunk={self.anchor_chunk}",
                 f"objective.loss_rows={self.loss_rows}", "transport.max_in_flight=1", "transport.dtype=auto",
-                f"plan.token_budget={self.seqs * self.seq_len}"]
+                f"plan.token_budget={self.seqs * self.seq_len}", f"objective.labels={self.labels}"]
 
 
 ONE_RANK = M.Sharding(drafters=1, drafters_per_target=1)  # one drafter, one packet held
@@ -153,11 +154,18 @@ def _batch(sc: Scaled):
     return PackedBatch(ids, mask, cu)
 
 
+def _packet_tensors(packet) -> list[torch.Tensor]:
+    """The tensors of (features, TargetLabels or None): what a packet in flight holds."""
+    feats, labels = packet
+    return [feats] + ([] if labels is None else [t for t in (labels.ids, labels.values) if t is not None])
+
+
 def validate(sc: Scaled = Scaled(), time_steps: bool = True, reps: int = 3) -> dict:
     """Predicted vs measured at the scaled shape; see the module docstring."""
     from dflash_dist.models.build import build_drafter, draft_spec
     from dflash_dist.models.qwen3 import TinyQwen3
     from dflash_dist.objective import anchor_generator, draw_anchors
+    from dflash_dist.capture import capture_for_drafter
     from dflash_dist.step import drafter_step
 
     cfg = load_config(None, sc.overrides())
@@ -178,12 +186,12 @@ def validate(sc: Scaled = Scaled(), time_steps: bool = True, reps: int = 3) -> d
     out: dict = {"shape": sc.__dict__, "batch": worst.summary()}
 
     # Target: one packet held (the sender's queue at max_in_flight = 1), then the next capture.
-    capture = lambda: target.capture(batch.input_ids, batch.cu_seqlens, batch.position_ids,  # noqa: E731
-                                     list(spec.target_layer_ids))[0]
+    dtype = torch.bfloat16 if sc.bf16 else torch.float32
+    capture = lambda: capture_for_drafter(target, batch, list(spec.target_layer_ids), cfg.objective, dtype)  # noqa: E731
     held = capture()
     with LiveBytes() as live:
-        live.track(*target.parameters(), held, batch.input_ids, batch.loss_mask, batch.cu_seqlens)
-        feats = capture()
+        live.track(*target.parameters(), *_packet_tensors(held), batch.input_ids, batch.loss_mask, batch.cu_seqlens)
+        feats, labels = capture()
     pred_t = M.target_terms(shapes, P, cfg, worst, ONE_RANK)
     out["target"] = {"predicted": sum(pred_t.values()), "measured": live.peak}
     del held
@@ -200,13 +208,13 @@ def validate(sc: Scaled = Scaled(), time_steps: bool = True, reps: int = 3) -> d
     gamma = loss_gamma(cfg.objective)
 
     def step(chunk: int):
-        drafter_step(model, batch, feats, None, anchors, anchor_cu, gamma=gamma, anchor_chunk=chunk,
+        drafter_step(model, batch, feats, labels, anchors, anchor_cu, gamma=gamma, anchor_chunk=chunk,
                      loss_rows=sc.loss_rows, autocast=autocast)
 
     for name, chunk in (("chunked", sc.anchor_chunk), ("unchunked", 0)):
         with LiveBytes() as live, SavedBytes(exclude=params + [feats]) as saved:
-            live.track(*params, *state, model.lm_head.weight, model._embed.weight, feats, batch.input_ids,
-                       batch.loss_mask, batch.cu_seqlens)
+            live.track(*params, *state, model.lm_head.weight, model._embed.weight, *_packet_tensors((feats, labels)),
+                       batch.input_ids, batch.loss_mask, batch.cu_seqlens)
             step(chunk)
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -233,7 +241,8 @@ def validate(sc: Scaled = Scaled(), time_steps: bool = True, reps: int = 3) -> d
 
 def _validate_report(v: dict) -> str:
     mib = lambda x: f"{x / 2**20:9.1f}"  # noqa: E731
-    kind = "bf16 target, drafter under CPU bf16 autocast" if v["shape"]["bf16"] else "float32"
+    kind = ("bf16 target, drafter under CPU bf16 autocast" if v["shape"]["bf16"] else "float32") + \
+        f", objective.labels={v['shape']['labels']}"
     lines = [f"validate on CPU ({kind}, sdpa attention): {v['shape']}", f"batch {v['batch']}",
              f"{'':28s} {'predicted MiB':>13s} {'measured MiB':>13s} {'pred/meas':>9s}"]
     rows = [("target peak", v["target"]["predicted"], v["target"]["measured"])]
