@@ -22,7 +22,7 @@ the config (tiny target), the target's config.json (hf), or a built-in table (`T
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -158,7 +158,6 @@ class Prediction:
     anchor_chunk: int
     best_anchor_chunk: int | None  # largest objective.anchor_chunk whose drafter fits (0: all at once)
     unsure: str | None = None  # why the model may be off (a custom target architecture), else None
-    budget_gib: dict[str, float] = field(default_factory=dict)  # per-role targets, if any
 
     def fits_role(self, role: str) -> bool:
         return self.roles[role].peak_gib <= self.device_gib
@@ -516,8 +515,8 @@ def preflight_message(pred: Prediction, role: str) -> str | None:
             f"(largest terms, GiB: {where}). ")
     if role == "drafter":
         best = pred.best_anchor_chunk
-        hint = (f"set objective.anchor_chunk={best} (now {pred.anchor_chunk})" if best else
-                "no objective.anchor_chunk fits: lower plan.token_budget or objective.loss_rows")
+        hint = ("no objective.anchor_chunk fits: lower plan.token_budget or objective.loss_rows" if best is None
+                else f"set objective.anchor_chunk={best} (now {pred.anchor_chunk})")
         return head + hint + ", or model.draft.checkpoint_layers=true, or a smaller plan.token_budget"
     return head + "lower plan.token_budget (the capture and the packets follow it), transport.max_in_flight, " \
                   "or raise model.target.tensor_parallel"

@@ -58,7 +58,8 @@ def test_too_small_device_is_refused_naming_the_key(reference):
         cfg.objective.anchor_chunk = chunk
         assert M.predict(cfg, shapes, worst, device_gib=50.0).fits_role("drafter") == fits
     pred = M.predict(cfg, shapes, worst, device_gib=20.0)
-    assert "target role" in M.preflight_message(pred, "target") and "plan.token_budget" in M.preflight_message(pred, "target")
+    msg = M.preflight_message(pred, "target")
+    assert "target role" in msg and "plan.token_budget" in msg
 
 
 def test_memory_follows_the_chunk_and_checkpointing(reference):

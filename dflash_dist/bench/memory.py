@@ -187,7 +187,11 @@ def validate(sc: Scaled = Scaled(), time_steps: bool = True, reps: int = 3) -> d
 
     # Target: one packet held (the sender's queue at max_in_flight = 1), then the next capture.
     dtype = torch.bfloat16 if sc.bf16 else torch.float32
-    capture = lambda: capture_for_drafter(target, batch, list(spec.target_layer_ids), cfg.objective, dtype)  # noqa: E731
+    layer_ids = list(spec.target_layer_ids)
+
+    def capture():
+        return capture_for_drafter(target, batch, layer_ids, cfg.objective, dtype)
+
     held = capture()
     with LiveBytes() as live:
         live.track(*target.parameters(), *_packet_tensors(held), batch.input_ids, batch.loss_mask, batch.cu_seqlens)
