@@ -3,12 +3,11 @@ warm-up decides paths and falls back before training starts.
 
 Float32, tight tolerance, packed layouts with length-1 sequences, sequences that cross flex's 128-token
 tiles, GQA and MHA. flex runs uncompiled here (same mask function and block mask; the compiled kernel
-also skips tiles, which test_block_mask_tiles_are_exact checks); DFLASH_SLOW_TESTS=1 adds the compiled
-kernel on CPU (about a minute of compiling). flash-attn needs CUDA and is checked by bench/gpu_check.py.
+also skips tiles, which test_block_mask_tiles_are_exact checks); the test marked slow runs the compiled
+kernel on CPU (about 20 s of compiling). flash-attn needs CUDA and is checked by bench/gpu_check.py.
 Each test gets a fresh `attn.backend`, so no choice or failure leaks between tests.
 """
 import logging
-import os
 import warnings
 
 import pytest
@@ -16,7 +15,6 @@ import torch
 
 from dflash_dist.models import attention as attn
 
-SLOW = os.environ.get("DFLASH_SLOW_TESTS") == "1"
 
 TOL = dict(atol=2e-6, rtol=1e-5)
 LAYOUTS = {
@@ -29,9 +27,10 @@ HEADS = {"gqa": (4, 2), "mqa": (4, 1), "mha": (2, 2)}
 
 
 @pytest.fixture(autouse=True)
-def fresh_backend(monkeypatch):
+def fresh_backend(monkeypatch, request):
     monkeypatch.delenv("DFLASH_ATTN", raising=False)
-    monkeypatch.setattr(attn, "backend", attn.AttentionBackend(compile_flex=SLOW))
+    compiled = request.node.get_closest_marker("slow") is not None  # the compiler only where marked slow
+    monkeypatch.setattr(attn, "backend", attn.AttentionBackend(compile_flex=compiled))
     warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
 
 
@@ -323,7 +322,7 @@ def test_short_calls_are_padded_to_two_tiles():
                                attn.packed_causal_attention(q, k, v, cu, impl="ref"), **TOL)
 
 
-@pytest.mark.skipif(not SLOW, reason="compiles flex on CPU (~20 s): DFLASH_SLOW_TESTS=1")
+@pytest.mark.slow  # compiles flex on CPU (~20 s)
 def test_compiled_flex_settles_after_two_layouts():
     """The real compiler: the causal op compiles at the first two warm-up layouts and never again."""
     attn.backend.flex_eligible = lambda op, x: True

@@ -44,6 +44,7 @@ def test_attention_bench_tiny(tmp_path, capsys):
     assert padded["computed_tokens"] > packed["computed_tokens"] == packed["real_tokens"]
 
 
+@pytest.mark.slow  # subprocesses and a torchrun job
 def test_gpu_check_dry_run_reports_every_section(tmp_path, capsys):
     """Every section runs in its own process on CPU at tiny shapes (the nccl section: 2 gloo ranks) and
     reports its measurements; one table, one JSON file."""
@@ -71,6 +72,7 @@ def test_gpu_check_dry_run_reports_every_section(tmp_path, capsys):
     assert nccl["packet/raw"] > 0
 
 
+@pytest.mark.slow  # subprocesses and a torchrun job
 def test_gpu_check_ends_a_hung_section_and_runs_the_next(tmp_path):
     """A section past its timeout is reported as timed out, its whole process tree ends (a child in a
     session of its own too, as torchrun's workers are), and the next section still runs."""

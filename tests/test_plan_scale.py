@@ -38,7 +38,7 @@ def test_every_kept_sample_once_per_epoch(data, plans):
     skipped = np.zeros(N, dtype=bool)
     skipped[:70] = True
     for plan in plans:
-        assert plan.skipped == {"empty": 10, "no_supervised": 20, "over_budget": 40}
+        assert plan.skipped == {"empty": 10, "no_supervised": 20, "no_anchor": 0, "over_budget": 40}
         seen = np.bincount(plan.indices, minlength=N)
         assert np.all(seen[~skipped] == 1) and np.all(seen[skipped] == 0)
         assert plan.offsets[0] == 0 and plan.offsets[-1] == len(plan.indices) == N - 70

@@ -470,6 +470,7 @@ def _every_rank_says(out, text):
     return all(re.search(rf"\[rank{r} \w+\] \S+: .*{re.escape(text)}", out) for r in range(3))
 
 
+@pytest.mark.slow  # whole runs under torchrun
 def test_nothing_to_train_is_exit_2_on_every_rank(tmp_path):
     rc, out = _torchrun(["data.synthetic.min_len=12", "data.synthetic.max_len=12"], tmp_path / "run")
     assert rc != 0 and "exitcode  : 2" in out, out[-3000:]
@@ -478,6 +479,7 @@ def test_nothing_to_train_is_exit_2_on_every_rank(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.slow  # whole runs under torchrun
 def test_a_run_dir_that_cannot_be_written_is_exit_2_before_training(tmp_path):
     (tmp_path / "file").write_text("x")
     rc, out = _torchrun([], tmp_path / "file" / "run")
@@ -487,6 +489,7 @@ def test_a_run_dir_that_cannot_be_written_is_exit_2_before_training(tmp_path):
     assert "went silent" not in out and "epoch 1" not in out
 
 
+@pytest.mark.slow  # whole runs under torchrun
 def test_a_second_run_on_a_locked_run_dir_is_exit_2(tmp_path):
     with RunLock(tmp_path):
         rc, out = _torchrun([], tmp_path)
@@ -496,6 +499,7 @@ def test_a_second_run_on_a_locked_run_dir_is_exit_2(tmp_path):
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow  # whole runs under torchrun
 def test_ctrl_c_stops_on_every_rank_saves_and_exits_75(tmp_path):
     from helpers import progress_step, start_torchrun, wait_for
     log = tmp_path / "run.log"

@@ -1,5 +1,6 @@
 """slurm/train.sbatch with a faked Slurm and launch/run.sh: syntax, the torchrun command per node, the
 shutdown grace and allocator settings, signal -> requeue, and the grace torchrun really gives a worker."""
+import pytest
 import os
 import re
 import signal
@@ -137,6 +138,7 @@ def stop_during_save(tmp_path: Path, grace: int) -> tuple[bool, str]:
     return (tmp_path / "saved").exists(), (tmp_path / "ready").read_text()
 
 
+@pytest.mark.slow  # a real torchrun
 def test_torchrun_grace_lets_a_worker_finish_its_save(tmp_path):
     """The grace run.sh gives torchrun is what the installed torch honours: a 3-second save completes
     with a 20-second grace and is killed with a 1-second one."""

@@ -101,6 +101,7 @@ def replica_results(tmp_path_factory):
     return root, results[1], results[2]
 
 
+@pytest.mark.slow  # 3 processes loading transformers models
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_rank_replica_captures_the_unsharded_features(replica_results, case):
     root, r1, r2 = replica_results
