@@ -69,7 +69,7 @@ def _packed_attention(module, query, key, value, attention_mask, scaling=None, d
     if sliding_window is not None and max_length_q is not None and max_length_q > sliding_window:
         raise NotImplementedError(f"sequence of {max_length_q} tokens exceeds the sliding window {sliding_window}")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (N, heads, d)
-    return packed_causal_attention(q, k, v, cu_seq_lens_q).unsqueeze(0), None
+    return packed_causal_attention(q, k, v, cu_seq_lens_q, max_seqlen=max_length_q).unsqueeze(0), None
 
 
 def _register_packed_attention() -> None:

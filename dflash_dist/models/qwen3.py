@@ -82,12 +82,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
-    def forward(self, x, cos, sin, cu_seqlens):
-        """x: (N, H) packed tokens; causal attention inside each sequence of cu_seqlens."""
+    def forward(self, x, cos, sin, cu_seqlens, max_seqlen: int | None = None):
+        """x: (N, H) packed tokens; causal attention inside each sequence of cu_seqlens (the longest is
+        max_seqlen, when the caller knows it: the flash path then needs no host synchronisation)."""
         a = self.self_attn
         h = self.input_layernorm(x)
         q, k, v = apply_rope(a.q(h), cos, sin), apply_rope(a.k(h), cos, sin), a.v(h)
-        x = x + a.o_proj(packed_causal_attention(q, k, v, cu_seqlens).flatten(-2))
+        x = x + a.o_proj(packed_causal_attention(q, k, v, cu_seqlens, max_seqlen=max_seqlen).flatten(-2))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -123,8 +124,9 @@ class TinyQwen3(nn.Module):
         wanted = set(layer_ids)
         captured = {}
         last = self.num_layers if need_logits or final_hidden else max(layer_ids) + 1
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # one host sync per forward, not per layer
         for i in range(last):
-            x = self.layers[i](x, cos, sin, cu_seqlens)
+            x = self.layers[i](x, cos, sin, cu_seqlens, longest)
             if i in wanted:
                 captured[i] = x
         feats = torch.cat([captured[i] for i in layer_ids], dim=-1)
