@@ -395,17 +395,21 @@ def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, worst: BatchShape, 
     # The first layer's input (the frozen embedding's output) needs no gradient: its input norm keeps
     # only the normalised rows for the weight's gradient, not the input and the rsqrt.
     tail -= R * (4 * H + 4)
-    if cfg.model.draft.checkpoint_layers:
-        # Each layer keeps its input; backward recomputes one layer at a time.
-        t["activations"] = L * 4 * H * R + per_layer + tail
-    else:
-        t["activations"] = L * per_layer + tail
     rows = min(cfg.objective.loss_rows, R)
     loss_chunk = rows * V * (4 + (c if c != 4 else 0)) + (R * c * H if c != 4 else 0)
     # Backward peaks at its start, before any saved tensor is freed: the hidden states' gradient (and its
     # float32 cast) and the final norm's float32 temporaries, about five (R, H) float32 in all (measured).
     backward = 5 * 4 * R * H
-    t["transient"] = max(loss_chunk, backward)
+    if cfg.model.draft.checkpoint_layers:
+        # Each layer keeps only its input; backward recomputes one layer at a time, after the tail's
+        # saves are gone. Two candidate peaks: the loss at the forward's end, a layer's recompute.
+        kept = L * 4 * H * R
+        phases = (kept + tail, loss_chunk), (kept + per_layer, backward)
+    else:
+        phases = (L * per_layer + tail, max(loss_chunk, backward)),
+    saved, extra = max(phases, key=sum)
+    t["activations"] = saved  # what autograd holds at the peak
+    t["transient"] = extra  # the loss chunk or the backward's temporaries on top
     if p.device == "cuda":
         t["slack"] = SLACK * (t["activations"] + t["transient"] + t["context"] + t["packets"])
         t["cuda_reserved"] = CUDA_RESERVED
