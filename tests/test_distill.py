@@ -214,19 +214,20 @@ def test_packet_with_target_labels_round_trips():
 @pytest.mark.slow
 @pytest.mark.parametrize("labels", ["target_argmax", "target_soft"])
 def test_three_ranks_train_on_target_labels(tmp_path, labels):
-    res = torchrun(3, [f"objective.labels={labels}", "objective.soft_top_k=8"], tmp_path)
+    res = torchrun(3, [f"objective.labels={labels}", "objective.soft_top_k=8", "monitor.interval_s=0.02"], tmp_path)
     log = res.stdout + res.stderr
     assert res.returncode == 0, log[-4000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     losses = [e["loss"] for e in summary["epochs"]]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses), losses
     assert_learns(tmp_path, losses)
-    assert math.isfinite(summary["final_loss"]) and summary["samples"] == 3 * 160
+    assert math.isfinite(summary["final_loss"]) and summary["samples"] == 3 * (160 - sum(summary["skipped"].values()))
 
 
 @pytest.mark.slow
 def test_colocated_rank_trains_on_soft_labels(tmp_path):
-    res = torchrun(1, ["roles.mode=colocated", "train.epochs=2", "objective.labels=target_soft"], tmp_path)
+    res = torchrun(1, ["roles.mode=colocated", "train.epochs=2", "objective.labels=target_soft",
+                       "monitor.interval_s=0.02"], tmp_path)  # a progress record within the first steps
     log = res.stdout + res.stderr
     assert res.returncode == 0, log[-4000:]
     losses = [e["loss"] for e in json.loads((tmp_path / "summary.json").read_text())["epochs"]]

@@ -68,9 +68,9 @@ def replica_cases(root, group) -> dict:
     heads: list = []  # (query heads, key/value heads) that reach the packed attention
     inner = hft.packed_causal_attention
 
-    def recording(q, k, v, cu):
+    def recording(q, k, v, cu, **kw):
         heads.append((q.shape[1], k.shape[1]))
-        return inner(q, k, v, cu)
+        return inner(q, k, v, cu, **kw)
     hft.packed_causal_attention = recording
     ids, cu, pos = packed_batch()
     out = {}

@@ -92,6 +92,11 @@ class Inbox:
         except Exception as exc:  # the backend's error says "connection closed", not who is gone
             raise RuntimeError(f"lost target rank {pp.src} while receiving batch {b}: {exc}") from exc
 
+    def host_batch(self, b: int) -> PackedBatch:
+        """Batch b collated on the host from the dataset (what its packet's meta carries, checked equal
+        in size by the header)."""
+        return collate(self.d.run.dataset, self.plan.batch(b))
+
     def done(self, packet: Packet) -> None:
         """The step that used `packet` is over: its feature buffer may be received into again."""
         if self.d.pool is not None and not self.d.layout.colocated:
@@ -205,7 +210,7 @@ class Drafter:
             self.wait_s += t1 - t0 - (self.local_target_s - local0)
             self.target_counters[packet_src(inbox, packet, self.run.ctx.rank)] = torch.tensor(
                 [packet.sender_compute_s, packet.sender_wait_s], dtype=torch.float64)
-            self._forward_backward(packet, sched.epoch, b, stats, self.sharding.loss_scale(real))
+            self._forward_backward(packet, inbox.host_batch(b), sched.epoch, b, stats, self.sharding.loss_scale(real))
             inbox.done(packet)
         elif self.sharding.idle_computes:
             self.dummy_step(scale=0.0)  # FSDP's gathers and reduce-scatters need every drafter
@@ -218,9 +223,12 @@ class Drafter:
         self.compute_s += self.clock() - t1
         self.reporter.step(total, self.target_counters, self.state.scheduler.get_last_lr()[0], norm)
 
-    def _forward_backward(self, packet: Packet, epoch: int, b: int, stats: StepStats, scale: float) -> None:
+    def _forward_backward(self, packet: Packet, host: PackedBatch, epoch: int, b: int, stats: StepStats,
+                          scale: float) -> None:
+        """Anchors are drawn from the batch as the dataset holds it on the host (the packet's copy may be
+        on the GPU, where reading it would wait for the stream)."""
         o, d = self.run.cfg.objective, packet.batch_data
-        anchors, anchor_cu = draw_anchors(d.loss_mask, d.cu_seqlens, o.block_size, o.num_anchors,
+        anchors, anchor_cu = draw_anchors(host.loss_mask, host.cu_seqlens, o.block_size, o.num_anchors,
                                           anchor_generator(self.run.cfg.train.seed, epoch, b))
         m = drafter_step(self.state.model, d, packet.features, packet.target, anchors.to(self.device),
                          anchor_cu.to(self.device), gamma=self.gamma, anchor_chunk=o.anchor_chunk,
