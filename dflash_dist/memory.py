@@ -304,14 +304,31 @@ def block_row_bytes(s: ModelShapes, p: Precision) -> int:
 
 
 def context_row_bytes(s: ModelShapes, p: Precision) -> int:
-    """Saved bytes per context token per draft layer per chunk: every layer projects the whole context
-    to keys and values again for each chunk (k_norm's saves; under autocast, two casts of ctx)."""
+    """Saved bytes per context row per draft layer per chunk: every layer projects the chunk's context
+    rows to keys and values (k_norm's saves; under autocast, two casts of ctx)."""
     H, Q, K, I, h, hkv = _dims(s)
     c = p.drafter_compute
     per = _norm_saved(K, hkv, c) + (2 * c * H if c != 4 else 0)
     if p.attention == "flex":
         per += 2 * c * K  # the context part of the concatenated k and v the kernel keeps
     return per
+
+
+def chunk_context_rows(worst: BatchShape, chunk: int) -> int:
+    """The most context rows one anchor chunk projects: from its first anchor's sequence start to its last
+    anchor (anchors come in packed order, step.py); without per-sequence shapes, the whole batch."""
+    if not worst.seq_anchors or chunk <= 0 or chunk >= worst.anchors:
+        return worst.tokens
+    starts = [0]
+    for L in worst.seq_lens[:-1]:
+        starts.append(starts[-1] + L)
+    where = []  # (sequence start, packed position of the anchor) per anchor, in packed order
+    k = 0
+    for seq, n in enumerate(worst.seq_anchors):
+        pos = sorted(worst.anchor_pos[k:k + n]) if worst.anchor_pos else [worst.seq_lens[seq]] * n
+        where += [(starts[seq], starts[seq] + p) for p in pos]
+        k += n
+    return max(where[min(a + chunk, len(where)) - 1][1] - where[a][0] for a in range(0, len(where), chunk))
 
 
 def _runs(seq_anchors: Sequence[int], chunk: int) -> list[list[tuple[int, int, int]]]:
@@ -386,7 +403,8 @@ def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, worst: BatchShape, 
         "labels": worst.anchors * B * (12 + (12 * cfg.objective.soft_top_k if w > 1 else 0)),
     }
     row = block_row_bytes(s, p)
-    ctx = context_row_bytes(s, p) * N + 2 * 4 * N * s.draft_head_dim  # + the context's RoPE cos/sin
+    span = chunk_context_rows(worst, a)
+    ctx = (context_row_bytes(s, p) + 2 * 4 * s.draft_head_dim) * span  # + the context rows' RoPE cos/sin
     attn_calls = sdpa_call_bytes(s, p, worst, a) if p.attention == "sdpa" else 0
     per_layer = row * R + ctx + attn_calls
     # After the layers: the embedding output (float32, the first layer's input), the final norm, the

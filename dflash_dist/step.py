@@ -50,8 +50,13 @@ def drafter_step(model: DFlashDrafter, batch: PackedBatch, features: torch.Tenso
     A = anchors.numel()
     if A == 0:
         raise ValueError("a batch without any anchor reached the drafter step (the plan must skip such samples)")
+    # Host copies bound each chunk's context rows (anchors are best drawn on the host: no sync then).
+    host_anchors = anchors.cpu()
+    host_starts = anchor_seq_starts(batch.cu_seqlens.cpu(), anchor_cu.cpu(), A)
+    dev = batch.input_ids.device
+    anchors, anchor_cu = anchors.to(dev), anchor_cu.to(dev)
     labels, weights, soft = batch_targets(batch, target, anchors, anchor_cu, model.spec.block_size, gamma)
-    starts = anchor_seq_starts(batch.cu_seqlens, anchor_cu, A)
+    starts = host_starts.to(dev)
     positions = batch.position_ids
     norm = scale / weights.sum().clamp(min=1e-9)
     head = model.lm_head.weight
@@ -65,10 +70,15 @@ def drafter_step(model: DFlashDrafter, batch: PackedBatch, features: torch.Tenso
         sl, last = slice(a, a + chunk), a == bounds[-1]
         if last and before_last_chunk is not None:
             before_last_chunk()
+        # The chunk's blocks see context rows [its first sequence's start, its last anchor) only: anchors
+        # are in packed order, so that range is all the draft layers need to project to keys and values.
+        lo = int(host_starts[a])
+        hi = max(int(host_anchors[min(a + chunk, A) - 1]), lo + 1)
         with autocast:
             # The last chunk reads the context itself: one backward then covers it, the accumulated
             # gradient of the earlier chunks and fc + hidden_norm.
-            hidden = model.draft_hidden(ctx if last else leaf, batch.input_ids, positions, anchors[sl], starts[sl])
+            hidden = model.draft_hidden((ctx if last else leaf)[lo:hi], batch.input_ids, positions, anchors[sl],
+                                        starts[sl], offset=lo)
         chunk_soft = None if soft is None else (soft[0][sl], soft[1][sl])
         loss_sum, m = lm_head_loss(hidden.to(head.dtype), head, labels[sl], weights[sl], chunk_soft, rows=loss_rows)
         if not last:

@@ -88,26 +88,28 @@ class DFlashDrafter(nn.Module):
             features = features.to(self.fc.weight.dtype)
         return self.hidden_norm(self.fc(features))
 
-    def draft_hidden(self, ctx, input_ids, position_ids, anchors, ctx_start) -> torch.Tensor:
+    def draft_hidden(self, ctx, input_ids, position_ids, anchors, ctx_start, offset: int = 0) -> torch.Tensor:
         """Final-normed hidden states (A, B, H) of the blocks at `anchors` (packed indices).
 
-        ctx: (N, H) from `context`; ctx_start: (A,) first packed index of each anchor's sequence. Block j
-        is [token at anchor j, MASK x (B-1)] at positions anchor_j + k and sees context rows
+        ctx: rows [offset, offset + len(ctx)) of the fused context (`context`), which must hold every row
+        these blocks see; ctx_start: (A,) first packed index of each anchor's sequence. Block j is
+        [token at anchor j, MASK x (B-1)] at positions anchor_j + k and sees context rows
         [ctx_start[j], anchors[j]). Anchors may be any subset of a batch's (a chunk)."""
         s = self.spec
-        B, dev = s.block_size, anchors.device
+        B, dev, n = s.block_size, anchors.device, ctx.shape[0]
         block_ids = torch.full((anchors.numel(), B), s.mask_token_id, dtype=torch.long, device=dev)
         block_ids[:, 0] = input_ids[anchors]
         x = self._embed(block_ids).to(ctx.dtype)
         blk_pos = position_ids[anchors][:, None] + torch.arange(B, device=dev)
         blk_rope = rope_cos_sin(blk_pos, s.head_dim, s.rope_theta, x.dtype)
-        ctx_rope = rope_cos_sin(position_ids, s.head_dim, s.rope_theta, x.dtype)
-        prepared = prepare_block_attention(ctx_start, anchors, ctx.shape[0], anchors.numel(), B, like=x)
+        ctx_rope = rope_cos_sin(position_ids[offset:offset + n], s.head_dim, s.rope_theta, x.dtype)
+        lo, hi = ctx_start - offset, anchors - offset  # in rows of `ctx`
+        prepared = prepare_block_attention(lo, hi, n, anchors.numel(), B, like=x)
         for layer in self.layers:
             if self.checkpoint_layers and torch.is_grad_enabled():
-                x = checkpoint(layer, x, ctx, blk_rope, ctx_rope, ctx_start, anchors, prepared, use_reentrant=False)
+                x = checkpoint(layer, x, ctx, blk_rope, ctx_rope, lo, hi, prepared, use_reentrant=False)
             else:
-                x = layer(x, ctx, blk_rope, ctx_rope, ctx_start, anchors, prepared)
+                x = layer(x, ctx, blk_rope, ctx_rope, lo, hi, prepared)
         return self.norm(x)
 
     def forward(self, features, input_ids, cu_seqlens, position_ids, anchors, anchor_cu):

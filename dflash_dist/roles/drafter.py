@@ -230,11 +230,11 @@ class Drafter:
         o, d = self.run.cfg.objective, packet.batch_data
         anchors, anchor_cu = draw_anchors(host.loss_mask, host.cu_seqlens, o.block_size, o.num_anchors,
                                           anchor_generator(self.run.cfg.train.seed, epoch, b))
-        m = drafter_step(self.state.model, d, packet.features, packet.target, anchors.to(self.device),
-                         anchor_cu.to(self.device), gamma=self.gamma, anchor_chunk=o.anchor_chunk,
-                         loss_rows=o.loss_rows, scale=scale, autocast=self.autocast,
+        m = drafter_step(self.state.model, d, packet.features, packet.target, anchors, anchor_cu, gamma=self.gamma,
+                         anchor_chunk=o.anchor_chunk, loss_rows=o.loss_rows, scale=scale, autocast=self.autocast,
                          before_last_chunk=self.sharding.before_last_chunk)
-        stats.loss_sum, stats.weight_sum, stats.accept_sum, stats.blocks = m.loss_sum, m.weight_sum, m.accept_sum, m.num_blocks
+        stats.loss_sum, stats.weight_sum = m.loss_sum, m.weight_sum
+        stats.accept_sum, stats.blocks = m.accept_sum, m.num_blocks
         stats.tokens, stats.seqs, stats.batches = d.num_tokens, d.num_seqs, 1
         stats.correct, stats.valid = m.correct.double(), m.valid.double()
 
@@ -294,7 +294,7 @@ class Drafter:
         batch = PackedBatch(ids, torch.ones_like(ids, dtype=torch.bool), cu)
         anchors, anchor_cu = draw_anchors(batch.loss_mask, batch.cu_seqlens, B, 2, torch.Generator().manual_seed(0))
         feats = torch.zeros(sum(lens), self.packets.feat_dim, dtype=self.packets.dtype, device=dev)
-        drafter_step(self.state.model, batch, feats, None, anchors.to(dev), anchor_cu.to(dev), gamma=self.gamma,
+        drafter_step(self.state.model, batch, feats, None, anchors, anchor_cu, gamma=self.gamma,
                      anchor_chunk=1, scale=scale, autocast=self.autocast,
                      before_last_chunk=self.sharding.before_last_chunk)
 
