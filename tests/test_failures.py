@@ -55,3 +55,14 @@ def test_one_sequence_per_batch_never_gives_the_drafter_a_batch_without_an_ancho
     assert summary["skipped"]["no_anchor"] > 0, summary["skipped"]
     assert summary["samples"] + sum(summary["skipped"].values()) == 160, "every sample trained or counted"
     assert all(torch.isfinite(torch.tensor(summary["acc_per_position"])))
+
+
+def test_a_batch_that_cannot_fit_the_device_is_refused_before_training(tmp_path):
+    """The memory pre-flight with a device far too small (dist.device_memory_gib forces the check on CPU)."""
+    res = torchrun(3, ["dist.device_memory_gib=0.001", "train.epochs=1"], tmp_path, timeout=120)
+    out = res.stdout + res.stderr
+    assert re.search(r"exitcode\s*:\s*2", out), out[-3000:]
+    assert re.search(r"memory pre-flight: the drafter role needs [\d.]+ GiB at its worst batch .* but the device has "
+                     r"0\.0 GiB", out), out[-3000:]
+    assert "objective.anchor_chunk" in out or "plan.token_budget" in out
+    assert not list(tmp_path.glob("checkpoints/step-*")) and not (tmp_path / "metrics.jsonl").exists()
