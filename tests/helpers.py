@@ -111,3 +111,21 @@ def spawn(n: int, fn, *args, timeout: float = 60) -> list:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+
+
+def interrupt(nproc: int, overrides: list[str], run_dir: Path, at_step: int, act, timeout: float):
+    """Start a job of `nproc` ranks, call act(agent process) once it reaches `at_step`, wait for every
+    process to end. Returns (log, seconds from act to the end, torchrun's exit code)."""
+    import time
+    log = run_dir / "first.log"
+    proc = start_torchrun(nproc, overrides, run_dir, log)
+    try:
+        wait_for(lambda: progress_step(run_dir) >= at_step, 120, f"training to reach step {at_step}")
+        t0 = time.monotonic()
+        act(proc)
+        proc.wait(timeout=timeout)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return log.read_text(), took, proc.returncode

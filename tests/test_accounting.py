@@ -51,22 +51,15 @@ def run(tmp_path, slow_target, slow_drafter):
     return summary, sum(target) / len(target), sum(drafter) / len(drafter)
 
 
-def test_a_slow_target_makes_the_drafter_wait_and_only_it(tmp_path):
-    summary, t_batch, d_step = run(tmp_path, 0.25, 0.05)
-    # Target-bound: the drafter's period is the target's; it computes for d_step of it.
-    truth = 1 - d_step / t_batch
-    print(f"slow target: drafters wait {summary['wait_drafters']:.3f} (truth {truth:.3f}), targets "
-          f"{summary['wait_targets']:.3f}")
-    assert abs(summary["wait_drafters"] - truth) < 0.05, (summary["wait_drafters"], truth)
-    assert summary["wait_targets"] < 0.05, summary["wait_targets"]
-    assert summary["balance"]["bottleneck"] == "targets"
-
-
-def test_a_slow_drafter_makes_the_target_wait_and_only_it(tmp_path):
-    summary, t_batch, d_step = run(tmp_path, 0.03, 0.25)
-    truth = 1 - t_batch / d_step
-    print(f"slow drafter: targets wait {summary['wait_targets']:.3f} (truth {truth:.3f}), drafters "
-          f"{summary['wait_drafters']:.3f}")
-    assert abs(summary["wait_targets"] - truth) < 0.05, (summary["wait_targets"], truth)
-    assert summary["wait_drafters"] < 0.05, summary["wait_drafters"]
-    assert summary["balance"]["bottleneck"] == "drafters"
+@pytest.mark.parametrize("slow_target, slow_drafter", [(0.25, 0.05), (0.03, 0.25)])
+def test_the_slow_side_makes_the_other_wait_and_only_it(tmp_path, slow_target, slow_drafter):
+    summary, t_batch, d_step = run(tmp_path, slow_target, slow_drafter)
+    # The fast side's period is the slow side's; it computes for its own stage's time of it.
+    waiting, idle = ("drafters", "targets") if slow_target > slow_drafter else ("targets", "drafters")
+    fast, slow = sorted((t_batch, d_step))
+    truth = 1 - fast / slow
+    print(f"slow {idle[:-1]}: {waiting} wait {summary['wait_' + waiting]:.3f} (truth {truth:.3f}), {idle} "
+          f"{summary['wait_' + idle]:.3f}")
+    assert abs(summary["wait_" + waiting] - truth) < 0.05, (summary["wait_" + waiting], truth)
+    assert summary["wait_" + idle] < 0.05, summary["wait_" + idle]
+    assert summary["balance"]["bottleneck"] == idle

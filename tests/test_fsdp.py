@@ -5,7 +5,7 @@ import signal
 import pytest
 import torch
 
-from helpers import final_digest, progress_step, start_torchrun, torchrun, wait_for
+from helpers import final_digest, interrupt, torchrun
 
 pytestmark = pytest.mark.slow  # whole runs under torchrun: `pytest -m "not slow"` skips them
 
@@ -46,16 +46,8 @@ def test_fsdp_drafters_train_like_ddp_drafters(tmp_path, fsdp_reference):
 
 def test_fsdp_stop_and_resume_is_exact(tmp_path, fsdp_reference):
     _, reference, _ = fsdp_reference
-    log = tmp_path / "first.log"
-    proc = start_torchrun(4, JOB + ["roles.drafter_sharding=fsdp"], tmp_path, log)
-    try:
-        wait_for(lambda: progress_step(tmp_path) >= 3, 120, "training to reach step 3")
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    first = log.read_text()
+    first, _, _ = interrupt(4, JOB + ["roles.drafter_sharding=fsdp"], tmp_path, 3,
+                            lambda p: p.send_signal(signal.SIGTERM), 60)
     assert len(re.findall(r"exit code 75: stopped on request", first)) == 4, first[-3000:]
     res = torchrun(4, JOB + ["roles.drafter_sharding=fsdp"], tmp_path)
     out = res.stdout + res.stderr

@@ -3,11 +3,11 @@ import json
 import os
 import re
 import signal
-import time
 
 import pytest
 
-from helpers import final_digest, metrics, progress_step, start_torchrun, torchrun, wait_for, worker_pids
+import helpers
+from helpers import final_digest, metrics, torchrun, wait_for, worker_pids
 
 pytestmark = pytest.mark.slow  # whole runs under torchrun: `pytest -m "not slow"` skips them
 
@@ -31,20 +31,8 @@ def _latest_cursor(run_dir):
 
 
 def interrupt(run_dir, overrides, at_step, act, timeout):
-    """Start a 3-rank job, call act(agent process) once it reaches `at_step`, wait for every process
-    to end. Returns (log, seconds from act to the end, torchrun's exit code)."""
-    log = run_dir / "first.log"
-    proc = start_torchrun(3, JOB + overrides, run_dir, log)
-    try:
-        wait_for(lambda: progress_step(run_dir) >= at_step, 120, f"training to reach step {at_step}")
-        t0 = time.monotonic()
-        act(proc)
-        proc.wait(timeout=timeout)
-        took = time.monotonic() - t0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    return log.read_text(), took, proc.returncode
+    """The 3-rank JOB, acted on at `at_step` (helpers.interrupt)."""
+    return helpers.interrupt(3, JOB + overrides, run_dir, at_step, act, timeout)
 
 
 def resume(run_dir):
@@ -108,15 +96,8 @@ def test_a_two_drafter_checkpoint_resumes_on_another_layout(tmp_path, nproc, dra
     """Stopped with 2 drafters mid-epoch, resumed with 1 or 3: the rest of the same plan, every sample of
     every epoch trained once (counted), the whole run in one summary and one wandb run."""
     run = ["wandb.mode=offline"]
-    log = tmp_path / "first.log"
-    proc = start_torchrun(4, JOB + run + ["roles.drafters_per_node=2"], tmp_path, log)
-    try:
-        wait_for(lambda: progress_step(tmp_path) >= 3, 120, "training to reach step 3")
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    helpers.interrupt(4, JOB + run + ["roles.drafters_per_node=2"], tmp_path, 3,
+                      lambda p: p.send_signal(signal.SIGTERM), 30)
     cursor = _latest_cursor(tmp_path)
     assert (cursor["epoch"], cursor["batch"]) != (2, 0), "the stop must land before the end"
     res = torchrun(nproc, JOB + run + [f"roles.drafters_per_node={drafters}"], tmp_path)
