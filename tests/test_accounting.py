@@ -4,7 +4,6 @@ durations the wrapper itself measures, independently of the code under test."""
 import json
 import os
 import subprocess
-import sys
 import textwrap
 
 import pytest

@@ -7,7 +7,6 @@ import psutil
 import pytest
 import torch
 
-from dflash_dist import transport
 from dflash_dist.bench import attention as bench_attention
 from dflash_dist.bench import gpu_check
 from dflash_dist.bench import transport as bench_transport

@@ -4,7 +4,7 @@ import torch
 
 from dflash_dist.data.collate import PackedBatch
 from dflash_dist.models.drafter import DFlashDrafter, DraftSpec
-from dflash_dist.objective import anchor_generator, block_labels, dflash_loss, draw_anchors
+from dflash_dist.objective import anchor_generator, dflash_loss, draw_anchors
 from dflash_dist.step import batch_targets, drafter_step
 from dflash_dist.transport import TargetLabels
 

@@ -15,7 +15,6 @@ import hashlib
 import json
 import logging
 import os
-from collections import defaultdict
 from pathlib import Path
 from typing import Callable
 
