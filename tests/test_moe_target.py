@@ -55,6 +55,6 @@ def test_self_check_refuses_a_capture_that_crosses_sequences(saved, monkeypatch)
     import dflash_dist.models.hf_target as hft
     whole = hft.packed_causal_attention
     # One causal run over the packed stream: attention leaks across the boundary.
-    monkeypatch.setattr(hft, "packed_causal_attention", lambda q, k, v, cu: whole(q, k, v, cu[[0, -1]]))
+    monkeypatch.setattr(hft, "packed_causal_attention", lambda q, k, v, cu, **kw: whole(q, k, v, cu[[0, -1]]))
     with pytest.raises(ValueError, match="does not reproduce"):
         check_packed_capture(target)
