@@ -11,9 +11,11 @@ what autograd keeps for backward, tensor by tensor, at the worst batch of the re
            logits, plus their compute-dtype copy) and the backward's temporaries; allocator slack. The
            gradient all-reduce's flat bucket (dist.all_reduce_grads) and AdamW's temporaries come after
            the chunks' activations are freed, far below this peak, and are left out.
-  target   weights (compute dtype, divided over tensor_parallel), the capture's transient activations
-           at the batch's token count, the captured features, the packets in flight, and with
-           distillation labels the final hidden state and one chunk of logits; allocator slack.
+  target   weights (compute dtype; a tensor-parallel replica's ranks each hold 1/tensor_parallel of them,
+           save the norms and MoE routers, which every rank holds whole), the capture's transient
+           activations at the batch's token count (a dense MLP, or a mixture-of-experts block: Qwen3-MoE,
+           Mixtral), the captured features, the packets in flight, and with distillation labels the final
+           hidden state and one chunk of logits; allocator slack.
 
 The accounting follows the code as it is (dflash_dist.step, models.drafter, models.qwen3, objective,
 transport); `python -m dflash_dist.bench.memory --validate` checks it against measurement on CPU
@@ -22,7 +24,9 @@ the config (tiny target), the target's config.json (hf), or a built-in table (`T
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -34,14 +38,27 @@ SDPA_GROUP = 32  # blocks per SDPA call in the drafter's "sdpa" attention path (
 DISTILL_CHUNK = 4096  # tokens per logits chunk of the target's distillation labels (objective)
 CUDA_RESERVED = 1.0 * GiB  # CUDA context, cuBLAS/NCCL workspaces: outside torch's tensors
 SLACK = 0.10  # caching-allocator fragmentation, as a share of the step-dependent terms (CUDA only)
-# Llama-family targets whose decoder layer the capture accounting describes; others are "unsure".
-KNOWN_ARCHS = ("qwen3", "qwen2", "llama", "mistral", "tiny")
+# Llama-family targets whose decoder layer the capture accounting describes (dense, or with the routed
+# experts of transformers' Qwen3-MoE and Mixtral blocks); others are "unsure".
+KNOWN_ARCHS = ("qwen3", "qwen2", "llama", "mistral", "tiny", "qwen3_moe", "mixtral")
 
-# Built-in shapes, to evaluate a config without the weights (sources: the models' config.json).
+# Built-in shapes, to evaluate a config without the weights (sources: the models' config.json on the Hub:
+# Qwen/Qwen3-8B, meta-llama/Llama-3.3-70B-Instruct, Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B).
 TARGET_SHAPES = {
     "qwen3-8b": dict(vocab=151936, hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128,
                      intermediate=12288, tied=False, arch="qwen3"),
+    "llama-3.3-70b": dict(vocab=128256, hidden=8192, layers=80, heads=64, kv_heads=8, head_dim=128,
+                          intermediate=28672, tied=False, arch="llama"),
+    # Every layer sparse (decoder_sparse_step 1, no mlp_only_layers); intermediate_size is used by no layer.
+    "qwen3-30b-a3b": dict(vocab=151936, hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128,
+                          intermediate=6144, tied=False, arch="qwen3_moe", experts=128, experts_per_token=8,
+                          moe_intermediate=768, sparse_layers=tuple(range(48))),
+    "qwen3-235b-a22b": dict(vocab=151936, hidden=4096, layers=94, heads=64, kv_heads=4, head_dim=128,
+                            intermediate=12288, tied=False, arch="qwen3_moe", experts=128, experts_per_token=8,
+                            moe_intermediate=1536, sparse_layers=tuple(range(94))),
 }
+# A model directory's name is matched to a built-in shape without these release suffixes.
+_RELEASE_SUFFIX = re.compile(r"-(instruct|base|chat)(-\d+)?$")
 
 
 @dataclass(frozen=True)
@@ -64,12 +81,35 @@ class ModelShapes:
     block_size: int
     arch: str = "tiny"
     source: str = "config"  # where the target's shape came from
+    # Mixture of experts (0 / empty: a dense target): routed experts per sparse layer, experts per token,
+    # one expert's MLP width, and the layer ids whose MLP is the experts (the others: `intermediate`).
+    experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate: int = 0
+    sparse_layers: tuple[int, ...] = ()
+
+    def _layer_params(self, sparse: bool) -> tuple[int, int]:
+        """(parameters a tensor-parallel replica shards, parameters every rank holds whole) of one target
+        decoder layer: projections and MLP or experts; norms (two, plus Qwen3's q/k norms) and the router."""
+        H, Q, K = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        whole = 2 * H + (2 * self.head_dim if self.arch in ("qwen3", "qwen3_moe", "tiny") else 0)
+        sharded = H * (Q + 2 * K) + Q * H + (Q + 2 * K if self.arch == "qwen2" else 0)  # Qwen2: q/k/v biases
+        if sparse:
+            return sharded + 3 * self.experts * H * self.moe_intermediate, whole + self.experts * H
+        return sharded + 3 * H * self.intermediate, whole
+
+    def target_param_split(self) -> tuple[int, int]:
+        """(sharded, whole): the target's parameters a tensor-parallel replica divides among its ranks
+        (projections, experts, embedding and LM head, each split by transformers' TP plan) and those every
+        rank holds whole (norms, routers)."""
+        sparse = len(self.sparse_layers)
+        per = [self._layer_params(True)] * sparse + [self._layer_params(False)] * (self.layers - sparse)
+        embed = self.vocab * self.hidden * (1 if self.tied else 2)
+        return embed + sum(a for a, _ in per), self.hidden + sum(b for _, b in per)
 
     @property
     def target_params(self) -> int:
-        H, Q, K = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        layer = H * (Q + 2 * K) + Q * H + 3 * H * self.intermediate + 2 * H + 2 * self.head_dim
-        return self.vocab * self.hidden * (1 if self.tied else 2) + self.layers * layer + H
+        return sum(self.target_param_split())
 
     @property
     def draft_params(self) -> int:
@@ -176,27 +216,36 @@ class Prediction:
 
 # -- shapes --------------------------------------------------------------------------------------------
 
+def builtin_shape_name(path: str) -> str | None:
+    """The built-in shape a model directory is named like (case aside, and without a release suffix:
+    /models/Llama-3.3-70B-Instruct -> llama-3.3-70b), else None."""
+    name = _RELEASE_SUFFIX.sub("", Path(path).name.lower())
+    return name if name in TARGET_SHAPES else None
+
+
 def model_shapes(cfg: Config, target_shape: str | None = None) -> ModelShapes:
     """Shapes from the config: the tiny target's fields, or for kind=hf the target's config.json. Without
     one (a machine without the weights), the built-in `target_shape`, or the table entry named like the
-    target's directory (/models/Qwen3-8B -> qwen3-8b); `source` says which."""
+    target's directory (`builtin_shape_name`: /models/Qwen3-8B -> qwen3-8b); `source` says which."""
     tc = cfg.model.target
     if tc.kind == "tiny":
         t = dict(vocab=tc.vocab_size, hidden=tc.hidden_size, layers=tc.num_layers, heads=tc.num_heads,
                  kv_heads=tc.num_kv_heads, head_dim=tc.head_dim, intermediate=tc.intermediate_size, tied=False,
                  arch="tiny", source="config (tiny target)")
     else:
-        from pathlib import Path
         from dflash_dist.models.head import read_config, shape_facts
         conf = Path(tc.path) / "config.json"
-        named = Path(tc.path).name.lower()
+        named = builtin_shape_name(tc.path)
         if conf.is_file():
             raw = read_config(tc.path)
             f = shape_facts(raw, str(conf))
             t = dict(vocab=f["vocab_size"], hidden=f["hidden_size"], layers=f["num_layers"], heads=f["num_heads"],
                      kv_heads=f["num_kv_heads"], head_dim=f["head_dim"], intermediate=f["intermediate_size"],
                      tied=f["tied"], arch=str(raw.get("model_type", "?")), source=str(conf))
-        elif target_shape or named in TARGET_SHAPES:
+            if "num_experts" in f:
+                t |= dict(experts=f["num_experts"], experts_per_token=f["experts_per_token"],
+                          moe_intermediate=f["moe_intermediate_size"], sparse_layers=f["sparse_layers"])
+        elif target_shape or named:
             key = target_shape or named
             if key not in TARGET_SHAPES:
                 raise ValueError(f"--target-shape {key!r}: one of {sorted(TARGET_SHAPES)}")
@@ -436,30 +485,67 @@ def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, worst: BatchShape, 
 
 # -- target -------------------------------------------------------------------------------------------
 
+def moe_block_bytes(s: ModelShapes, tokens: int, c: int, tp: int = 1) -> float:
+    """Peak bytes a sparse MoE block allocates over its input in a forward without grad, as transformers
+    5 runs it (models/qwen3_moe/modeling_qwen3_moe.py Qwen3MoeSparseMoeBlock, mixtral alike) with its
+    default experts implementation, "grouped_mm" (integrations/moe.py grouped_mm_experts_forward, which
+    HFTarget keeps; the "eager" loop's peak, its (N, k, E+1) int64 one-hot mask, is far smaller: 8 KiB a
+    token for Qwen3-30B-A3B against 128 KiB here). Over the block: the router's (N, E) logits (kept by
+    the block while the experts run; its float32 softmax is freed before) and the top-k weights and ids.
+    In grouped_mm, for S = N*k token-expert pairs: the sorted
+    expert ids, their permutation and histc's 32-bit copy of them, the permuted weights, and the
+    gathered inputs (S, H), which stay alive to the end. It then peaks either at the gate (the gate_up
+    output (S, 2I), silu(gate) and the product (S, I) each) or at the end (the down projection's output,
+    it times the weights, and that reordered: three more (S, H), with the inverse permutation). With
+    tensor parallelism (transformers' "moe_tp_experts": every expert split along I) only the (S, I)
+    tensors shrink; every rank still gathers all S rows (expert parallelism's "all_reduce" dispatch also
+    keeps all S rows, those of other ranks' experts as masked sentinels). Mixtral's routing weights stay
+    float32, and so the weighted outputs do too."""
+    N, E, k, H = tokens, s.experts, s.experts_per_token, s.hidden
+    S, inter = N * k, s.moe_intermediate / tp
+    w = 4 if s.arch == "mixtral" else c  # routing weights' element size
+    routing = N * E * c + N * k * (w + 8)
+    ints = S * (8 + 8 + 4 + w)
+    gate = S * H * c + 4 * S * inter * c
+    end = 2 * S * H * c + 2 * S * H * max(c, w) + 8 * S
+    return routing + ints + max(gate, end)
+
+
 def target_terms(s: ModelShapes, p: Precision, cfg: Config, worst: BatchShape,
                  sharding: Sharding = Sharding()) -> dict[str, float]:
     """Peak bytes of a target rank by term for `worst` (its token count)."""
     H, Q, K, I = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim, s.intermediate
     c, xb, N, V = p.target_bytes, p.transfer_bytes, worst.tokens, s.vocab
     tp = max(1, sharding.tensor_parallel)
+    ids = set(s.feature_layers)
     nf = len(s.feature_layers)
     distill = cfg.objective.labels != "data"
     w = {"data": 0, "target_argmax": 1, "target_soft": cfg.objective.soft_top_k}[cfg.objective.labels]
     feats = N * nf * H * c
     # A decoder layer without grad peaks in its MLP: the residual stream, the normed input, then
-    # silu(gate), up and their product side by side (gate itself is freed by silu). The built-in target's
-    # layer (models.qwen3) also still holds its attention's locals there (normed input, q, k, v);
-    # transformers' layers do not. The attention half stays below this whenever I >= H. RoPE's cos/sin
-    # for the batch live through the whole capture.
+    # silu(gate), up and their product side by side (gate itself is freed by silu); a sparse layer at its
+    # MoE block (`moe_block_bytes`). The built-in target's layer (models.qwen3) also still holds its
+    # attention's locals there (normed input, q, k, v); transformers' layers do not. The attention half
+    # stays below this whenever I >= H. RoPE's cos/sin for the batch live through the whole capture.
     held = H + Q + 2 * K if s.arch == "tiny" else 0
-    transient = N * ((2 * H + held) * c + 3 * I * c / tp) + 2 * N * s.head_dim * c
-    # While the last captured layer runs, the other captured outputs are held; the concatenation then
-    # holds every captured output and the features together.
-    capture = max((nf - 1) * N * H * c + transient, 2 * feats)
-    if distill:  # the forward runs on: all captured outputs held through the remaining layers
-        capture = max(capture, nf * N * H * c + transient)
+    rope = 2 * N * s.head_dim * c
+    dense = N * ((2 * H + held) * c + 3 * I * c / tp) + rope
+    sparse = N * 2 * H * c + moe_block_bytes(s, N, c, tp) + rope if s.experts else 0.0
+    sparse_ids = set(s.sparse_layers)
+    # While layer i runs, the outputs captured before it are held, and its input (the capture loop's
+    # variable) unless that input is itself a captured output. The forward stops after the last captured
+    # layer, or with distillation labels runs on to the last layer; the concatenation then holds every
+    # captured output, the features and the last output.
+    last = s.layers if distill else max(ids) + 1
+    capture = 2 * feats + (N * H * c if last - 1 not in ids else 0)
+    before = 0  # captured outputs of the layers before i
+    for i in range(last):
+        layer = sparse if i in sparse_ids else dense
+        capture = max(capture, (before + (i - 1 not in ids)) * N * H * c + layer)
+        before += i in ids
+    split, whole = s.target_param_split()
     t: dict[str, float] = {
-        "weights": s.target_params * c / tp,
+        "weights": (split / tp + whole) * c,
         "batch": 8 * 3 * N,  # input ids, loss mask, positions
         "capture": capture,
         "packets": cfg.transport.max_in_flight * sharding.drafters_per_target

@@ -143,3 +143,91 @@ def test_checkpointed_layers_peak_matches_measurement(bf16):
     ratios = [v[name]["predicted"] / v[name]["measured"] for name in ("target", "chunked", "unchunked")]
     assert all(0.85 <= r <= 1.15 for r in ratios), ratios
     assert v["chunked"]["saved_measured"] is None
+
+
+# -- large and MoE targets ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path,key,params", [
+    # Parameter counts: the checkpoints' safetensors index total_size / 2 (bf16).
+    ("configs/llama3_70b_tp2.yaml", "llama-3.3-70b", 70_553_706_496),
+    ("configs/qwen3_moe.yaml", "qwen3-30b-a3b", 30_532_122_624),
+])
+def test_example_configs_resolve_to_built_in_shapes_and_fit(tmp_path, path, key, params):
+    s = M.model_shapes(load_config(path))
+    assert s.source.startswith(f"built-in shape {key} (named like") and s.target_params == params
+    out = tmp_path / "mem.json"
+    assert BM.main(["--config", path, "--gpu-mem-gib", "141", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["fits"] is True and data["unsure"] is None
+    assert data["best_anchor_chunk"] >= data["anchor_chunk"] > 0
+    tp = load_config(path).model.target.tensor_parallel
+    assert data["roles"]["target"]["terms_gib"]["weights"] == pytest.approx(params * 2 / tp / M.GiB, rel=1e-3)
+
+
+def test_built_in_shape_names():
+    assert M.builtin_shape_name("/models/Llama-3.3-70B-Instruct") == "llama-3.3-70b"
+    assert M.builtin_shape_name("/m/Qwen3-235B-A22B-Instruct-2507") == "qwen3-235b-a22b"
+    assert M.builtin_shape_name("Qwen3-8B") == "qwen3-8b"
+    assert M.builtin_shape_name("/m/Qwen3-8B-FP8") is None  # other bytes per weight: not the built-in shape
+    s = M.TARGET_SHAPES["qwen3-235b-a22b"]
+    assert M.model_shapes(load_config("configs/qwen3_moe.yaml"), "qwen3-235b-a22b").target_params == 235_093_634_560
+    assert s["sparse_layers"] == tuple(range(94))
+
+
+def test_moe_weight_bytes_are_the_models_parameters(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+    hc = BM.tiny_moe_config(mlp_only_layers=[1], decoder_sparse_step=1)
+    hc.to_json_file(str(tmp_path / "config.json"))
+    model = AutoModelForCausalLM.from_config(hc).to(torch.bfloat16)
+    cfg = load_config(None, ["model.target.kind=hf", f"model.target.path={tmp_path}", "model.target.dtype=bfloat16"])
+    s = M.model_shapes(cfg)
+    assert (s.arch, s.experts, s.experts_per_token, s.moe_intermediate, s.sparse_layers) == \
+        ("qwen3_moe", 16, 4, 96, (0, 2, 3))
+    total = sum(p.numel() for p in model.parameters())
+    # What every rank of a tensor-parallel replica holds whole: norms and routers (transformers' TP plan).
+    whole = sum(p.numel() for n, p in model.named_parameters() if "norm" in n or n.endswith("mlp.gate.weight"))
+    assert s.target_param_split() == (total - whole, whole)
+    p = M.Precision.from_config(cfg)
+    batch = M.BatchShape(tokens=100, seqs=1, anchors=10)
+    weights = {tp: M.target_terms(s, p, cfg, batch, M.Sharding(tensor_parallel=tp))["weights"] for tp in (1, 2, 4)}
+    assert weights[1] == total * 2 == sum(t.numel() * t.element_size() for t in model.parameters())
+    for tp in (2, 4):
+        assert weights[tp] == ((total - whole) / tp + whole) * 2
+    dense = replace(s, experts=0, sparse_layers=())  # the experts priced as one dense MLP: far too little
+    assert M.target_terms(dense, p, cfg, batch)["weights"] < 0.6 * weights[1]
+
+
+def _mixtral():
+    from transformers import MixtralConfig
+    return MixtralConfig(vocab_size=4096, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=1, head_dim=32, intermediate_size=64, num_local_experts=8,
+                         num_experts_per_tok=2)
+
+
+def _dense_qwen3():
+    from transformers import Qwen3Config
+    return Qwen3Config(vocab_size=4096, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=1, head_dim=64, intermediate_size=384)
+
+
+@pytest.mark.parametrize("name,config,layer_ids,bf16,labels", [
+    ("qwen3-moe", lambda: BM.tiny_moe_config(), [1, 2], False, "data"),
+    # Wide experts: the peak is at the gate (gate_up output, silu, product) ...
+    ("gate-bound", lambda: BM.tiny_moe_config(moe_intermediate_size=256), [0, 2], True, "data"),
+    # ... narrow ones: at the end (four (N*k, H) tensors side by side).
+    ("end-bound", lambda: BM.tiny_moe_config(moe_intermediate_size=32), [0, 2], True, "data"),
+    # A dense layer (mlp_only_layers) wider than the sparse ones sets the peak.
+    ("mixed", lambda: BM.tiny_moe_config(mlp_only_layers=[2], intermediate_size=1024, moe_intermediate_size=32),
+     [0, 2], False, "data"),
+    ("distill", lambda: BM.tiny_moe_config(), [0, 1], True, "target_argmax"),
+    ("mixtral", _mixtral, [0, 2], True, "data"),  # float32 routing weights: float32 weighted rows
+    ("dense", _dense_qwen3, [0, 2], False, "data"),  # the layer's input held when it is not captured
+])
+def test_transformers_capture_matches_measurement(tmp_path, name, config, layer_ids, bf16, labels):
+    v = BM.validate_hf_capture(config(), tmp_path, layer_ids, bf16=bf16, labels=labels)
+    t = v["terms"]
+    assert t["weights"] == v["weights"]
+    capture = t["capture"] + t.get("distill", 0.0)
+    assert 0.97 <= capture / v["capture"] <= 1.03, (name, capture, v["capture"])
+    assert 0.97 <= sum(t.values()) / v["measured"] <= 1.03, (name, t, v["measured"])

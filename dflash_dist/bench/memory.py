@@ -17,7 +17,8 @@ the peak of bytes saved for backward), for the chunked and the unchunked step si
 step times. Live bytes are counted per storage from every op's outputs (a TorchDispatchMode; a storage's
 bytes are released when it dies), saved bytes through torch.autograd.graph.saved_tensors_hooks (each
 storage once, parameters and the step's inputs excluded). Temporaries inside a single kernel are not
-tensors and are not seen.
+tensors and are not seen. It then checks a transformers target's capture the same way
+(`validate_hf_capture`: a tiny Qwen3-MoE built from a config, its config.json read as a real model's).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import argparse
 import contextlib
 import json
 import sys
+import tempfile
 import time
 import weakref
 from dataclasses import dataclass, replace
@@ -248,6 +250,56 @@ def validate(sc: Scaled = Scaled(), time_steps: bool = True, reps: int = 3) -> d
     return out
 
 
+def tiny_moe_config(**overrides):
+    """A tiny transformers Qwen3-MoE config (random weights are built from it): 16 experts, 4 per token."""
+    from transformers import Qwen3MoeConfig
+    kw = dict(vocab_size=4096, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
+              head_dim=64, intermediate_size=384, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=96,
+              tie_word_embeddings=False)
+    return Qwen3MoeConfig(**(kw | overrides))
+
+
+def validate_hf_capture(model_config, directory: str | Path, layer_ids: list[int], bf16: bool = False,
+                        labels: str = "data", seqs: int = 2, seq_len: int = 600) -> dict:
+    """The target role on CPU for a tiny transformers model (random weights) built from `model_config` (a
+    transformers config, e.g. `tiny_moe_config()`): its config.json is written to `directory` and read by
+    the memory model as a real model's would be; the model runs `capture_for_drafter` through `HFTarget`
+    with one packet held. Returns {"terms": predicted bytes by term, "weights": measured parameter bytes,
+    "measured": peak live bytes, "capture": the measured peak less what was live before (weights, the
+    held packet, the batch's ids and mask)}."""
+    from transformers import AutoModelForCausalLM
+    from dflash_dist.capture import capture_for_drafter
+    from dflash_dist.models.hf_target import HFTarget
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model_config.to_json_file(str(directory / "config.json"))
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    torch.manual_seed(0)
+    target = HFTarget(AutoModelForCausalLM.from_config(model_config)).to(dtype).eval()
+    cfg = load_config(None, ["model.target.kind=hf", f"model.target.path={directory}",
+                             f"model.draft.target_layer_ids={list(layer_ids)}", f"objective.labels={labels}",
+                             f"model.target.dtype={'bfloat16' if bf16 else 'float32'}", "transport.max_in_flight=1",
+                             "transport.dtype=auto", f"plan.token_budget={seqs * seq_len}"])
+    sc = Scaled(vocab=model_config.vocab_size, seqs=seqs, seq_len=seq_len)
+    batch = _batch(sc)
+    b = 2 if bf16 else 4
+    precision = M.Precision(device="cpu", target_bytes=b, transfer_bytes=b, drafter_compute=b, attention="sdpa")
+    worst = M.BatchShape(tokens=seqs * seq_len, seqs=seqs, anchors=0)
+    terms = M.target_terms(M.model_shapes(cfg), precision, cfg, worst, ONE_RANK)
+
+    def capture():
+        return capture_for_drafter(target, batch, list(layer_ids), cfg.objective, dtype)
+
+    held = capture()
+    with LiveBytes() as live:
+        live.track(*target.parameters(), *target.buffers(), *_packet_tensors(held), batch.input_ids,
+                   batch.loss_mask, batch.cu_seqlens)
+        before = live.now
+        capture()
+    return {"terms": terms, "measured": live.peak, "capture": live.peak - before,
+            "weights": sum(p.numel() * p.element_size() for p in target.parameters())}
+
+
 def _validate_report(v: dict) -> str:
     mib = lambda x: f"{x / 2**20:9.1f}"  # noqa: E731
     shape = v["shape"]
@@ -277,7 +329,11 @@ def evaluate(cfg: Config, device_gib: float, target_shape: str | None = None) ->
     lengths, supervised, anchorable, source = M.plan_lengths(cfg)
     worst = M.worst_batches(cfg, lengths, supervised, anchorable)
     pred = M.predict(cfg, shapes, list(worst.values()), device_gib)
+    moe = (f", {shapes.experts} experts ({shapes.experts_per_token} per token) in {len(shapes.sparse_layers)} of "
+           f"{shapes.layers} layers" if shapes.experts else "")
     return pred, {"source": source, "target_shape": shapes.source,
+                  "target_params": f"{shapes.target_params / 1e9:.2f}B parameters{moe}, "
+                                   f"model.target.tensor_parallel={cfg.model.target.tensor_parallel}",
                   "worst_batches": {k: w.summary() for k, w in worst.items()}}
 
 
@@ -299,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = sys.stdout
     out.write(f"{args.config} {' '.join(args.overrides)}\ntarget shape: {info['target_shape']}\n"
-              f"worst batches of {info['source']}: {info['worst_batches']}\n")
+              f"target: {info['target_params']}\nworst batches of {info['source']}: {info['worst_batches']}\n")
     out.write(M.gib_table(pred) + "\n")
     out.write(f"device {pred.device_gib:g} GiB: {'fits' if pred.fits else 'does NOT fit'}; objective.anchor_chunk="
               f"{pred.anchor_chunk}, largest that fits: {pred.best_anchor_chunk}\n")
@@ -317,6 +373,13 @@ def main(argv: list[str] | None = None) -> int:
             out.write(_validate_report(v) + "\n")
             result["validate"].append({k: v[k] for k in v if k not in ("chunked", "unchunked")} | {
                 k: {kk: vv for kk, vv in v[k].items() if kk != "terms"} for k in ("chunked", "unchunked")})
+        with tempfile.TemporaryDirectory() as tmp:
+            v = validate_hf_capture(tiny_moe_config(), tmp, [0, 2], bf16=True)
+        pred = v["terms"]["capture"]
+        out.write(f"validate a tiny transformers Qwen3-MoE target (bf16, 16 experts, 4 per token): capture "
+                  f"predicted {pred / 2**20:.2f} MiB, measured {v['capture'] / 2**20:.2f} MiB "
+                  f"({pred / v['capture']:.3f}); weights {v['terms']['weights'] / v['weights']:.3f} of measured\n")
+        result["validate_moe"] = {"capture_predicted": pred, "capture_measured": v["capture"]}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

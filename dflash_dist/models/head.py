@@ -52,7 +52,26 @@ def shape_facts(cfg: dict, where: str = "config.json") -> dict:
     theta = cfg.get("rope_theta") if theta is None else theta
     if theta is None:
         raise ValueError(f"{where}: no rope_theta (neither at the top level nor in rope_parameters)")
-    return facts | {"rope_theta": float(theta)}
+    return facts | {"rope_theta": float(theta)} | moe_facts(cfg, facts["num_layers"], facts["intermediate_size"], where)
+
+
+def moe_facts(cfg: dict, num_layers: int, intermediate_size: int, where: str = "config.json") -> dict:
+    """A mixture-of-experts config's routing facts ({} for a dense one): num_experts, experts_per_token,
+    moe_intermediate_size (one expert's MLP width) and sparse_layers (the layer ids whose MLP is the
+    experts). Keys as transformers names them: Qwen3-MoE (`num_experts`, `moe_intermediate_size`, a layer
+    i is sparse when i is not in `mlp_only_layers` and (i + 1) % `decoder_sparse_step` == 0) and Mixtral
+    (`num_local_experts`, experts of `intermediate_size`, every layer sparse). transformers 5 writes a
+    Qwen3-MoE config's `num_experts` as `num_local_experts` (its attribute map)."""
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if not experts:
+        return {}
+    if not cfg.get("num_experts_per_tok"):
+        raise ValueError(f"{where}: {experts} experts but no 'num_experts_per_tok'")
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = set(cfg.get("mlp_only_layers") or ())
+    return dict(num_experts=experts, experts_per_token=int(cfg["num_experts_per_tok"]),
+                moe_intermediate_size=int(cfg.get("moe_intermediate_size") or intermediate_size),
+                sparse_layers=tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0))
 
 
 def _tensor_files(path: Path) -> dict[str, Path]:
