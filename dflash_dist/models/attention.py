@@ -20,9 +20,8 @@ Choice rule for "auto" (the default; DFLASH_ATTN=ref|sdpa|flex|flash|auto, read 
 `backend.use(name)` overrides):
   causal op:  CUDA, fp16/bf16 and flash-attn importable -> flash; else CUDA and flex -> flex; else ref.
   drafter op: CUDA and flex -> flex; else sdpa.
-Why, on CPU (docs/benchmarks.md, attention): compiled flex ran slower than the SDPA loop for the causal
-op, has no backward (the drafter trains), and takes 20-40 s to compile per shape; uncompiled flex
-materialises every score. flash-attn has no drafter path: a block's keys are a prefix of its sequence's
+Why, on CPU (docs/benchmarks.md, attention, for the figures): compiled flex ran slower than the SDPA
+loop for the causal op and compiles slowly; uncompiled flex materialises every score. flash-attn has no drafter path: a block's keys are a prefix of its sequence's
 context, and varlen key windows cannot overlap.
 
 Compilation can fail (no C compiler, an inductor bug for a shape), and a backward compiles only at the
@@ -33,8 +32,8 @@ compiled with automatic dynamic shapes (dynamic=None); warm_up calls each op at 
 every size, so the one recompile to symbolic sizes happens there, and a third shape checks that no
 further compile follows. Calls shorter than two 128-token tiles are padded to two, so no real batch
 meets the size-1 specialisation that a compiled graph guards against. dynamic=True is not used: on this
-torch (2.13) inductor's CPU flex template does not compile with it (C++ error, measured); the automatic
-route compiled twice and then held for 4 shapes. `backend.compile_stats()` counts the compiled graphs.
+torch (2.13) inductor's CPU flex template does not compile with it (a C++ error); the automatic route
+compiled twice and then held (tests/test_attention.py). `backend.compile_stats()` counts the compiled graphs.
 """
 from __future__ import annotations
 
