@@ -92,6 +92,8 @@ def test_more_drafters_than_targets(tmp_path):
     # as the first exits, so a rank still importing torch may be ended before it logs (seen in CI).
     ("roles.drafters_per_node=2", "roles.drafters_per_node", {1, 2}),
     ("objective.block_size=1", "objective.block_size", {1, 2}),
+    # One target rank cannot form a replica of two.
+    ("model.target.tensor_parallel=2", "model.target.tensor_parallel", {1, 2}),
 ])
 def test_bad_input_exits_2_with_a_message_and_nobody_waits(tmp_path, override, expect, ranks_saying_it):
     import time
