@@ -129,3 +129,21 @@ def interrupt(nproc: int, overrides: list[str], run_dir: Path, at_step: int, act
         if proc.poll() is None:
             proc.kill()
     return log.read_text(), took, proc.returncode
+
+
+def assert_capture_matches_alone(target, ref_model, seqs, cu, pos, layer_ids, hidden: int):
+    """A target's packed capture equals each sequence run alone through the transformers model: features
+    of `layer_ids` (hidden_states[i + 1]) and logits. Returns (features, logits) of the packed batch."""
+    import torch
+    ids = torch.cat(seqs)
+    feats, logits = target.capture(ids, cu, pos, layer_ids, need_logits=True)
+    assert feats.shape == (ids.numel(), len(layer_ids) * hidden)
+    with torch.no_grad():
+        for s, seq in enumerate(seqs):
+            out = ref_model(input_ids=seq[None], output_hidden_states=True)
+            a, b = int(cu[s]), int(cu[s + 1])
+            for j, layer in enumerate(layer_ids):
+                torch.testing.assert_close(feats[a:b, j * hidden:(j + 1) * hidden], out.hidden_states[layer + 1][0],
+                                           atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(logits[a:b], out.logits[0], atol=1e-5, rtol=1e-5)
+    return feats, logits

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config  # noqa:
 from dflash_dist.config import load_config  # noqa: E402
 from dflash_dist.models.build import draft_spec  # noqa: E402
 from dflash_dist.models.hf_target import load_hf_target  # noqa: E402
+from helpers import assert_capture_matches_alone  # noqa: E402
 
 SHAPE = dict(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
@@ -43,17 +44,10 @@ def test_packed_capture_matches_each_sequence_alone(saved):
     target = load_hf_target(path, dtype=torch.float32, device=torch.device("cpu"))
     seqs, ids, cu, pos = packed_batch()
     layer_ids = [2, 0]  # any order: features follow layer_ids
-    feats, logits = target.capture(ids, cu, pos, layer_ids, need_logits=True)
     H = SHAPE["hidden_size"]
-    assert feats.shape == (ids.numel(), len(layer_ids) * H) and logits.shape == (ids.numel(), SHAPE["vocab_size"])
+    feats, logits = assert_capture_matches_alone(target, ref_model, seqs, cu, pos, layer_ids, H)
+    assert logits.shape == (ids.numel(), SHAPE["vocab_size"])
     with torch.no_grad():
-        for s, seq in enumerate(seqs):
-            out = ref_model(input_ids=seq[None], output_hidden_states=True)
-            a, b = int(cu[s]), int(cu[s + 1])
-            for j, layer in enumerate(layer_ids):
-                torch.testing.assert_close(feats[a:b, j * H:(j + 1) * H], out.hidden_states[layer + 1][0],
-                                           atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(logits[a:b], out.logits[0], atol=1e-5, rtol=1e-5)
         # What the target role sends for distillation comes from the final hidden state, not from logits.
         _, final = target.capture(ids, cu, pos, layer_ids, final_hidden=True)
         torch.testing.assert_close(target.lm_head(final), logits, atol=1e-5, rtol=1e-5)
