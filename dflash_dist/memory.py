@@ -303,13 +303,13 @@ def worst_batches(cfg: Config, lengths: np.ndarray, supervised: np.ndarray, anch
 
 def plan_lengths(cfg: Config, samples: int = 902_000, seed: int = 0):
     """(lengths, supervised, anchorable or None, source): the prepared dataset when data.path is set,
-    else the benchmark's chat mix (bench.plan.chat_lengths) at the config's token budget."""
+    else the reference chat mix (data.synthetic.chat_lengths) at the config's token budget."""
     if cfg.data.path:
         from dflash_dist.data.disk import open_dataset
         ds = open_dataset(cfg.data.path)
         return (np.asarray(ds.lengths), np.asarray(ds.num_supervised), ds.num_anchorable(cfg.objective.block_size),
                 f"data.path={cfg.data.path}")
-    from dflash_dist.bench.plan import chat_lengths
+    from dflash_dist.data.synthetic import chat_lengths
     lengths, sup = chat_lengths(samples, cfg.plan.token_budget, seed)
     return lengths, sup, None, f"chat mix ({samples:,} samples, bench.plan, seed {seed})"
 

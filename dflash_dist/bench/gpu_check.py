@@ -206,7 +206,7 @@ def plan_batches(cfg: Config, dry: bool) -> tuple[dict[str, tuple[np.ndarray, np
     """The batch whose anchors are nearest the plan's mean and the one with the most, as (lengths,
     supervised) per sample, from epoch 0 of the benchmark's chat mix at the config's budgets. Anchors
     per sample: min(supervised, objective.num_anchors) (at most B fewer than draw_anchors finds)."""
-    from dflash_dist.bench.plan import chat_lengths
+    from dflash_dist.data.synthetic import chat_lengths
     from dflash_dist.plan import build_plan
 
     lengths, supervised = chat_lengths(PLAN_SAMPLES[dry], cfg.plan.token_budget, cfg.train.seed)
@@ -435,7 +435,7 @@ def peak_tflops(dev: torch.device) -> float | None:
 def target_lengths(tokens: int, long: int, seed: int = 0) -> list[int]:
     """One `long` sequence, then chat-mix lengths (bench.plan) of at most half of it, up to `tokens`
     (the last one cut to fit): the long one stays the longest."""
-    from dflash_dist.bench.plan import chat_lengths
+    from dflash_dist.data.synthetic import chat_lengths
 
     rest, _ = chat_lengths(1024, tokens, seed)
     out = [long]

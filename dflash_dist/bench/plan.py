@@ -32,20 +32,10 @@ from pathlib import Path
 import numpy as np
 
 from dflash_dist.config import PlanConfig
+from dflash_dist.data.synthetic import chat_lengths
 from dflash_dist.plan import PACKINGS, BatchPlan, build_plan
 
 TARGET_BUILD_S, TARGET_FILL, TARGET_BCAST_S = 0.25, 0.95, 1.0
-
-
-def chat_lengths(n: int, token_budget: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    short = rng.random(n) < 0.55
-    lengths = np.where(short, rng.lognormal(np.log(900), 0.8, n), rng.lognormal(np.log(3000), 0.8, n))
-    lengths = np.clip(lengths, 16, token_budget).astype(np.int64)
-    supervised = (lengths * rng.uniform(0.5, 0.8, n)).astype(np.int64)
-    over = rng.choice(n, size=max(1, n // 20_000), replace=False)  # prepared with a longer --max-length
-    lengths[over] = rng.integers(token_budget + 1, 2 * token_budget, size=len(over))
-    return lengths, supervised
 
 
 def greedy_offsets(lengths: np.ndarray, token_budget: int, max_seqs: int) -> np.ndarray:

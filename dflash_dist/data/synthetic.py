@@ -34,3 +34,16 @@ def synthetic_dataset(cfg: SyntheticConfig, vocab_size: int) -> TokenDataset:
             tokens[p] = tok
         loss_mask[a + int((b - a) * cfg.prompt_frac):b] = 1
     return TokenDataset(tokens=tokens, offsets=offsets, loss_mask=loss_mask, vocab_size=vocab_size)
+
+
+def chat_lengths(n: int, token_budget: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(lengths, supervised counts) of the reference chat mix: the benchmarks' and the memory model's
+    stand-in for a real dataset (see bench.plan for what it models)."""
+    rng = np.random.default_rng(seed)
+    short = rng.random(n) < 0.55
+    lengths = np.where(short, rng.lognormal(np.log(900), 0.8, n), rng.lognormal(np.log(3000), 0.8, n))
+    lengths = np.clip(lengths, 16, token_budget).astype(np.int64)
+    supervised = (lengths * rng.uniform(0.5, 0.8, n)).astype(np.int64)
+    over = rng.choice(n, size=max(1, n // 20_000), replace=False)  # prepared with a longer --max-length
+    lengths[over] = rng.integers(token_budget + 1, 2 * token_budget, size=len(over))
+    return lengths, supervised
