@@ -110,11 +110,14 @@ def soft_block_targets(top_values: torch.Tensor, top_ids: torch.Tensor, labels: 
 
 @dataclass
 class StepMetrics:
-    loss_sum: float  # sum of w * ce
-    weight_sum: float
+    """A batch's (or chunk's) metrics. From `lm_head_loss` every field but num_blocks is a tensor on the
+    step's device, so a step reads them to the host once (with its stats), not once per chunk;
+    `dflash_loss`, the plain reference, returns host numbers."""
+    loss_sum: float | torch.Tensor  # sum of w * ce
+    weight_sum: float | torch.Tensor
     correct: torch.Tensor  # (B,) correct predictions per slot
     valid: torch.Tensor  # (B,) trained labels per slot
-    accept_sum: float  # sum over blocks of the accepted prefix length (+1 bonus)
+    accept_sum: float | torch.Tensor  # sum over blocks of the accepted prefix length (+1 bonus)
     num_blocks: int
 
 
@@ -209,14 +212,15 @@ def _head_chunk(x, w, labels, wts, soft, pred_out, grad_out) -> torch.Tensor:
     return (ce * wts).sum()
 
 
-def _metrics(pred: torch.Tensor, labels: torch.Tensor, loss_sum: float, weight_sum: float) -> StepMetrics:
-    """The metrics of `dflash_loss` from the predicted tokens (A, B) (any value where labels < 0)."""
+def _metrics(pred: torch.Tensor, labels: torch.Tensor, loss_sum: torch.Tensor, weight_sum: torch.Tensor) -> StepMetrics:
+    """The metrics of `dflash_loss` from the predicted tokens (A, B) (any value where labels < 0), left
+    on the device."""
     valid = labels >= 0
     hit = (pred == labels) & valid
     # Accepted prefix: consecutive hits from slot 1; an untrained slot ends the run.
     run = torch.cumprod(hit[:, 1:].long(), dim=1).sum(1).float() + 1.0
-    return StepMetrics(loss_sum=loss_sum, weight_sum=weight_sum, correct=hit.sum(0).cpu(), valid=valid.sum(0).cpu(),
-                       accept_sum=float(run.sum()), num_blocks=labels.shape[0])
+    return StepMetrics(loss_sum=loss_sum, weight_sum=weight_sum, correct=hit.sum(0), valid=valid.sum(0),
+                       accept_sum=run.sum(), num_blocks=labels.shape[0])
 
 
 def lm_head_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
@@ -247,5 +251,5 @@ def lm_head_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.
     with torch.no_grad():
         pred = torch.full((A * B,), -1, dtype=torch.long, device=hidden.device)
         pred[sel] = pred_rows
-        m = _metrics(pred.view(A, B), labels, float(loss), float(weights.sum()))
+        m = _metrics(pred.view(A, B), labels, loss.detach(), weights.sum())
     return loss, m

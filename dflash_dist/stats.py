@@ -16,11 +16,11 @@ _SCALARS = ("loss_sum", "weight_sum", "tokens", "seqs", "accept_sum", "blocks", 
 @dataclass
 class StepStats:
     block_size: int
-    loss_sum: float = 0.0  # sum of w * ce over the step's trained slots
-    weight_sum: float = 0.0
+    loss_sum: float | torch.Tensor = 0.0  # sum of w * ce over the step's trained slots
+    weight_sum: float | torch.Tensor = 0.0
     tokens: int = 0
     seqs: int = 0
-    accept_sum: float = 0.0  # accepted prefix (+1) summed over blocks
+    accept_sum: float | torch.Tensor = 0.0  # accepted prefix (+1) summed over blocks
     blocks: int = 0
     batches: int = 0
     wait_s: float = 0.0  # cumulative seconds this drafter waited for packets (summed over drafters)
@@ -36,8 +36,15 @@ class StepStats:
             self.valid = torch.zeros(self.block_size, dtype=torch.float64)
 
     def pack(self, device) -> torch.Tensor:
-        head = torch.tensor([float(getattr(self, k)) for k in _SCALARS], dtype=torch.float64)
-        return torch.cat([head, self.correct.double().cpu(), self.valid.double().cpu()]).to(device)
+        """One float64 tensor on `device`. Fields may be device tensors (the step's metrics): they are
+        gathered there, so the step reads nothing back to the host before its all-reduce; the host
+        numbers go over in one copy."""
+        vals = [getattr(self, k) for k in _SCALARS]
+        head = torch.tensor([0.0 if torch.is_tensor(v) else float(v) for v in vals], dtype=torch.float64).to(device)
+        on_device = [i for i, v in enumerate(vals) if torch.is_tensor(v)]
+        if on_device:
+            head[on_device] = torch.stack([vals[i].to(device, torch.float64).reshape(()) for i in on_device])
+        return torch.cat([head, self.correct.to(device, torch.float64), self.valid.to(device, torch.float64)])
 
     @classmethod
     def unpack(cls, t: torch.Tensor, block_size: int) -> "StepStats":

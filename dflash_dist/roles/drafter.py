@@ -236,7 +236,7 @@ class Drafter:
         stats.loss_sum, stats.weight_sum = m.loss_sum, m.weight_sum
         stats.accept_sum, stats.blocks = m.accept_sum, m.num_blocks
         stats.tokens, stats.seqs, stats.batches = d.num_tokens, d.num_seqs, 1
-        stats.correct, stats.valid = m.correct.double(), m.valid.double()
+        stats.correct, stats.valid = m.correct, m.valid  # still on the device: packed there
 
     def _reduce(self, stats: StepStats) -> StepStats:
         """Sum the step's stats over drafters (and take the newest target counters)."""
