@@ -93,6 +93,7 @@ def format_line(r: dict) -> str:
     line = (f"epoch {r['epoch']}/{r['epochs']}  batch {r['batch']}/{r['batches_per_epoch']} "
             f"({100 * r['epoch_progress']:.0f}%)  total {100 * r['total_progress']:.0f}%  "
             f"{r['tok_per_s'] / 1e3:.1f}k tok/s  ETA {_fmt_eta(r['eta_s'])}  loss {r['loss']:.3f}  "
+            f"gnorm {r.get('grad_norm', float('nan')):.2f}  "
             f"acc@1 {acc1:.2f}  tau~{r['accept_len']:.2f}  "
             f"wait: targets {100 * r['wait_targets']:.0f}% drafters {100 * r['wait_drafters']:.0f}%  "
             f"rss {r['rss_gib']:.1f} GiB")
