@@ -1,6 +1,7 @@
-"""Rank 0's reporting: the monitor thread, the sinks (console, JSONL, wandb), tau evaluation, epoch
-records, the stop record and the end-of-run summary with the balance advice. Every other rank gets the
-do-nothing twin, chosen once, so the training loop has no rank-0 branches.
+"""Rank 0's duties: the monitor thread, the sinks (console, JSONL, wandb), tau evaluation, epoch
+records, the stop record, writing checkpoints and the export (every drafter gathers what they hold; rank
+0 writes), and the end-of-run summary with the balance advice. Every other rank gets the do-nothing
+twin, chosen once, so the training loop has no rank-0 branches.
 """
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from dflash_dist.balance import balance_advice, format_advice
 from dflash_dist.config import to_dict
 from dflash_dist.data.dataset import preparation_skips
 from dflash_dist.export import export_drafter
-from dflash_dist.models import attention
 from dflash_dist.fsutil import write_json
+from dflash_dist.models import attention
 from dflash_dist.monitor import Monitor, Progress, Sinks
 from dflash_dist.run import RunSetup
 from dflash_dist.schedule import EpochSchedule
