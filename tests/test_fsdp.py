@@ -1,4 +1,5 @@
 """FSDP2 drafters (roles.drafter_sharding=fsdp) under torchrun: 2 drafters + 2 targets, gloo on CPU."""
+import json
 import re
 import signal
 
@@ -53,3 +54,14 @@ def test_fsdp_stop_and_resume_is_exact(tmp_path, fsdp_reference):
     out = res.stdout + res.stderr
     assert res.returncode == 0 and "resumed from" in out, out[-3000:]
     assert final_digest(out) == reference
+
+
+def test_a_ddp_checkpoint_resumes_under_fsdp(tmp_path):
+    """Checkpoints hold whole state dicts in both modes: a DDP run stopped mid-run finishes under FSDP."""
+    first, _, _ = interrupt(4, JOB, tmp_path, 3, lambda p: p.send_signal(signal.SIGTERM), 60)
+    assert len(re.findall(r"exit code 75: stopped on request", first)) == 4, first[-3000:]
+    res = torchrun(4, JOB + ["roles.drafter_sharding=fsdp"], tmp_path)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0 and "resumed from" in out, out[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["samples"] == 2 * (400 - sum(summary["skipped"].values()))
