@@ -317,6 +317,7 @@ class PlanCount:
     counts: list[int]  # batches per epoch: the LR horizon and the ETA use their exact sum
     skipped: dict  # samples every plan skips, by reason (the same each epoch)
     digests: list[str]  # fingerprints, kept with each checkpoint (a mid-epoch resume must rebuild the same)
+    plans: list[BatchPlan]  # the plans themselves, for the rest of start-up (the memory pre-flight)
 
 
 def count_epochs(ds, cfg) -> PlanCount:
@@ -332,7 +333,8 @@ def count_epochs(ds, cfg) -> PlanCount:
                      "mean %.0f min %d max %d (%.1f%% of plan.token_budget)", p.epoch + 1, len(p), seqs.mean(),
                      seqs.min(), seqs.max(), toks.mean(), toks.min(), toks.max(),
                      100 * toks.mean() / cfg.plan.token_budget)
-    return PlanCount([len(p) for p in plans], dict(plans[0].skipped) if plans else {}, [plan_digest(p) for p in plans])
+    return PlanCount([len(p) for p in plans], dict(plans[0].skipped) if plans else {},
+                     [plan_digest(p) for p in plans], plans)
 
 
 def epoch_plan(ds, cfg, epoch: int, expected: int, rank: int, group) -> BatchPlan:

@@ -93,11 +93,9 @@ class Reporter(NullReporter):
             self.sinks.close()
 
     def evaluate(self, label: str, model) -> dict | None:
-        """tau by real draft-then-verify decoding on held-out prompts of the synthetic corpus (prepared
-        data: `python -m dflash_dist.evaluate` after the run, where the whole target can be loaded)."""
+        """tau by real draft-then-verify decoding on held-out prompts of the synthetic corpus (the drafter
+        asks only where `evaluates` says so; prepared data: `python -m dflash_dist.evaluate` after the run)."""
         cfg = self.run.cfg
-        if not evaluates(cfg):
-            return None
         from dflash_dist.evaluate import acceptance_length, heldout_prompts
         t0 = time.time()
         # Under the training's autocast on CUDA: the attention then runs the graphs warmed up for training.

@@ -45,13 +45,6 @@ class EpochSchedule:
     def step_of(self, b: int) -> int:
         return (b - self.origin) // self.num_drafters
 
-    def is_boundary(self, step: int) -> bool:
-        """A stop vote is decided before `step` (never before the first step, never at the end)."""
-        return 0 < step < self.steps and step % self.sync_every == 0
-
-    def boundary_index(self, step: int) -> int:
-        return step // self.sync_every
-
     def next_batch(self, step: int) -> int:
         """The cursor's batch once steps [0, step) are trained."""
         return min(self.num_batches, self.origin + step * self.num_drafters)

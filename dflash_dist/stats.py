@@ -4,13 +4,15 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import time
+from dataclasses import dataclass, field
 
 import torch
 
 # Scalar fields in pack order; `correct` and `valid` (one per block slot) follow.
 _SCALARS = ("loss_sum", "weight_sum", "tokens", "seqs", "accept_sum", "blocks", "batches", "wait_s", "compute_s",
             "save_due")
+_COUNTS = {"tokens", "seqs", "blocks", "batches", "save_due"}  # integers; the rest are sums of floats
 
 
 @dataclass
@@ -50,8 +52,7 @@ class StepStats:
     def unpack(cls, t: torch.Tensor, block_size: int) -> "StepStats":
         t = t.cpu()
         n, B = len(_SCALARS), block_size
-        kinds = {f.name: f.type for f in fields(cls)}
-        vals = {k: (int(t[i]) if kinds[k] == "int" else float(t[i])) for i, k in enumerate(_SCALARS)}
+        vals = {k: (int(t[i]) if k in _COUNTS else float(t[i])) for i, k in enumerate(_SCALARS)}
         return cls(block_size=B, correct=t[n:n + B].clone(), valid=t[n + B:n + 2 * B].clone(), **vals)
 
     @property
@@ -79,7 +80,6 @@ def device_clock(device: torch.device):
     """A clock for wait/compute accounting. On CUDA kernels and NCCL waits are asynchronous: the CPU
     returns before the work is done, so each reading first waits for the current stream; one reading
     per stage boundary (a handful per step) is what true accounting costs."""
-    import time
     if device.type != "cuda":
         return time.perf_counter
 

@@ -87,7 +87,7 @@ def build(cfg: Config, ctx: DistContext, stop_flag: StopFlag, lock: RunLock) -> 
         if ctx.rank == 0:  # rank 0 builds every plan; a mid-epoch resume must find the same one
             count = count_epochs(ds, cfg)
             check_trainable(count.counts, count.skipped, len(ds))
-            preflight(cfg, ctx, ds)
+            preflight(cfg, ctx, ds, count.plans)
             if resume_from is not None:
                 check_plan(read_meta(resume_from), resume_from, count.digests)
         failure = None
@@ -113,7 +113,7 @@ def build(cfg: Config, ctx: DistContext, stop_flag: StopFlag, lock: RunLock) -> 
                     plan_digests=tuple(count.digests) if count else (), skipped=count.skipped if count else None)
 
 
-def preflight(cfg: Config, ctx: DistContext, ds) -> None:
+def preflight(cfg: Config, ctx: DistContext, ds, plans) -> None:
     """Rank 0: the memory model's peak of every role at the worst batch of the real plans, against the
     device's memory (CUDA, or dist.device_memory_gib anywhere): a ConfigError naming the key to change
     instead of an out-of-memory error after the target has loaded."""
@@ -123,8 +123,9 @@ def preflight(cfg: Config, ctx: DistContext, ds) -> None:
     if device_gib <= 0:
         return
     from dflash_dist import memory
-    worst = memory.worst_batches(cfg, ds.lengths, ds.num_supervised, ds.num_anchorable(cfg.objective.block_size))
-    pred = memory.predict(cfg, memory.model_shapes(cfg), list(worst.values()), device_gib)
+    from dflash_dist.model_shapes import model_shapes
+    worst = memory.worst_of_plans(cfg, plans, ds.lengths, ds.num_anchorable(cfg.objective.block_size))
+    pred = memory.predict(cfg, model_shapes(cfg), list(worst.values()), device_gib)
     # (Colocated ranks hold both roles' memory at once; each role alone is what is checked.)
     refusals = [m for r in ("drafter", "target") if (m := memory.preflight_message(pred, r))]
     if refusals and pred.unsure:

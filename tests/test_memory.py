@@ -12,6 +12,7 @@ import pytest
 from dflash_dist import memory as M
 from dflash_dist.bench import memory as BM
 from dflash_dist.config import load_config
+from dflash_dist.model_shapes import TARGET_SHAPES, builtin_shape_name, model_shapes
 from dflash_dist.plan import build_plan, plan_kwargs
 
 REF = "configs/qwen3_8b.yaml"
@@ -23,7 +24,7 @@ def reference():
     cfg = load_config(REF)
     lengths, supervised, anchorable, _ = M.plan_lengths(cfg)
     worst = M.worst_batches(cfg, lengths, supervised, anchorable, epochs=range(2))
-    return cfg, M.model_shapes(cfg, "qwen3-8b"), list(worst.values())
+    return cfg, model_shapes(cfg, "qwen3-8b"), list(worst.values())
 
 
 def test_cli_json_for_the_reference_config(tmp_path, capsys):
@@ -108,14 +109,14 @@ def test_shapes_from_a_config_json(tmp_path):
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 160,
         "rope_parameters": {"rope_theta": 1e6}, "tie_word_embeddings": True}))
     cfg = load_config(None, ["model.target.kind=hf", f"model.target.path={tmp_path}"])
-    s = M.model_shapes(cfg)
+    s = model_shapes(cfg)
     assert (s.vocab, s.hidden, s.layers, s.heads, s.kv_heads, s.head_dim, s.intermediate, s.tied) == \
         (1000, 64, 6, 4, 2, 32, 160, True)
     assert s.draft_heads == 4 and len(s.feature_layers) == 3 and s.arch == "qwen3"
     pred = M.predict(cfg, s, M.BatchShape(tokens=1000, seqs=2, anchors=30), 2.0)  # 1 GiB is CUDA's own
     assert pred.unsure is None and pred.fits
     with pytest.raises(FileNotFoundError, match="target-shape"):
-        M.model_shapes(load_config(None, ["model.target.kind=hf", f"model.target.path={tmp_path / 'none'}"]))
+        model_shapes(load_config(None, ["model.target.kind=hf", f"model.target.path={tmp_path / 'none'}"]))
 
 
 SMALL = BM.Scaled(hidden=128, vocab=4096, intermediate=384, head_dim=32, seqs=2, seq_len=600, num_anchors=256,
@@ -153,7 +154,7 @@ def test_checkpointed_layers_peak_matches_measurement(bf16):
     ("configs/qwen3_moe.yaml", "qwen3-30b-a3b", 30_532_122_624),
 ])
 def test_example_configs_resolve_to_built_in_shapes_and_fit(tmp_path, path, key, params):
-    s = M.model_shapes(load_config(path))
+    s = model_shapes(load_config(path))
     assert s.source.startswith(f"built-in shape {key} (named like") and s.target_params == params
     out = tmp_path / "mem.json"
     assert BM.main(["--config", path, "--gpu-mem-gib", "141", "--json", str(out)]) == 0
@@ -165,12 +166,12 @@ def test_example_configs_resolve_to_built_in_shapes_and_fit(tmp_path, path, key,
 
 
 def test_built_in_shape_names():
-    assert M.builtin_shape_name("/models/Llama-3.3-70B-Instruct") == "llama-3.3-70b"
-    assert M.builtin_shape_name("/m/Qwen3-235B-A22B-Instruct-2507") == "qwen3-235b-a22b"
-    assert M.builtin_shape_name("Qwen3-8B") == "qwen3-8b"
-    assert M.builtin_shape_name("/m/Qwen3-8B-FP8") is None  # other bytes per weight: not the built-in shape
-    s = M.TARGET_SHAPES["qwen3-235b-a22b"]
-    assert M.model_shapes(load_config("configs/qwen3_moe.yaml"), "qwen3-235b-a22b").target_params == 235_093_634_560
+    assert builtin_shape_name("/models/Llama-3.3-70B-Instruct") == "llama-3.3-70b"
+    assert builtin_shape_name("/m/Qwen3-235B-A22B-Instruct-2507") == "qwen3-235b-a22b"
+    assert builtin_shape_name("Qwen3-8B") == "qwen3-8b"
+    assert builtin_shape_name("/m/Qwen3-8B-FP8") is None  # other bytes per weight: not the built-in shape
+    s = TARGET_SHAPES["qwen3-235b-a22b"]
+    assert model_shapes(load_config("configs/qwen3_moe.yaml"), "qwen3-235b-a22b").target_params == 235_093_634_560
     assert s["sparse_layers"] == tuple(range(94))
 
 
@@ -181,7 +182,7 @@ def test_moe_weight_bytes_are_the_models_parameters(tmp_path):
     hc.to_json_file(str(tmp_path / "config.json"))
     model = AutoModelForCausalLM.from_config(hc).to(torch.bfloat16)
     cfg = load_config(None, ["model.target.kind=hf", f"model.target.path={tmp_path}", "model.target.dtype=bfloat16"])
-    s = M.model_shapes(cfg)
+    s = model_shapes(cfg)
     assert (s.arch, s.experts, s.experts_per_token, s.moe_intermediate, s.sparse_layers) == \
         ("qwen3_moe", 16, 4, 96, (0, 2, 3))
     total = sum(p.numel() for p in model.parameters())

@@ -31,28 +31,24 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import math
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
-import psutil
 
+from dflash_dist.bench.sections import ROOT, Report, print_table, run_one, run_sections, run_tree
 from dflash_dist.config import Config, TargetConfig, default_target_layer_ids, load_config, loss_gamma
 
 # torch is imported where it is used: a section's process (and the hidden test section) starts in a
 # fraction of a second, and the parent process never loads what the sections measure.
-ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = ("env", "drafter", "target", "nccl")
 HIDDEN = ("hang",)  # test hook: a section that never ends (tests/test_bench_smoke.py)
 CAPS = {"env": 30, "drafter": 240, "target": 150, "nccl": 80, "hang": 600}  # seconds; nccl: 220 on 2+ GPUs
@@ -66,116 +62,6 @@ PEAK_TFLOPS = {"H200": 989, "H100 PCIe": 756, "H100": 989, "GH200": 989, "B200":
                "A10": 125, "L4": 121}
 # A collective that timed out, or the heartbeat watchdog naming a silent or failed peer (dflash_dist.liveness).
 WATCHDOG = re.compile(r"(?i)watchdog caught|collective operation timeout|timed out|went silent|exiting instead of waiting")
-
-
-# -- the report ---------------------------------------------------------------------------------------
-
-class Report:
-    """A section's rows, rewritten to `path` after every row: a section killed at its timeout still
-    reports what it had measured."""
-
-    def __init__(self, path: Path | None = None):
-        self.path = path
-        self.rows: list[tuple[str, object, str]] = []
-        self.extra: dict[str, str] = {}
-
-    def add(self, metric: str, value, note: str = "") -> None:
-        if isinstance(value, float) and not math.isfinite(value):
-            value = None
-        self.rows.append((metric, value, note))
-        self.save()
-
-    def save(self) -> None:
-        if self.path is not None:
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"rows": self.rows, **self.extra}, default=str))
-            os.replace(tmp, self.path)
-
-
-def fmt(value) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
-
-
-def print_table(results: dict[str, dict]) -> None:
-    rows = [(name, m, fmt(v), n) for name, r in results.items()
-            for m, v, n in [("status", r["status"], r.get("error", ""))] + [tuple(x) for x in r["rows"]]]
-    w = [max(len(r[i]) for r in rows + [("section", "metric", "value", "")]) for i in range(3)]
-    print(f"\n{'section':<{w[0]}}  {'metric':<{w[1]}}  {'value':>{w[2]}}  note")
-    for s, m, v, n in rows:
-        print(f"{s:<{w[0]}}  {m:<{w[1]}}  {v:>{w[2]}}  {n}")
-
-
-# -- running a process tree under a hard timeout ------------------------------------------------------
-
-def end_tree(proc: subprocess.Popen, grace: float = 5.0) -> None:
-    """SIGTERM to proc's session group and to every descendant (torchrun starts its workers in sessions of
-    their own, out of reach of the group), SIGKILL to whatever is left after `grace` seconds."""
-    try:
-        tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        tree = []
-    for sig_all in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig_all)
-        except (ProcessLookupError, PermissionError):
-            pass
-        for p in tree:
-            try:
-                p.send_signal(sig_all)
-            except psutil.NoSuchProcess:
-                pass
-        if sig_all == signal.SIGTERM:
-            _, alive = psutil.wait_procs(tree, timeout=grace)
-            tree = alive
-    proc.wait()
-
-
-def run_tree(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int | None, str, float]:
-    """(exit code, or None when it timed out and was ended; stdout+stderr; seconds)."""
-    t0 = time.perf_counter()
-    with tempfile.TemporaryFile("w+") as out:  # a file, not a pipe: a chatty child never blocks on it
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                text=True, cwd=ROOT)
-        try:
-            rc = proc.wait(timeout=max(timeout, 0.1))
-        except subprocess.TimeoutExpired:
-            end_tree(proc)
-            rc = None
-        out.seek(0)
-        return rc, out.read(), time.perf_counter() - t0
-
-
-def run_sections(names: list[str], dry: bool, budget_s: float, caps: dict[str, float]) -> dict[str, dict]:
-    """Each section in its own process, one after the other, never past the budget."""
-    results: dict[str, dict] = {}
-    deadline = time.monotonic() + budget_s
-    scratch = Path(tempfile.mkdtemp(prefix="gpu-check-"))
-    for name in names:
-        left = deadline - time.monotonic()
-        if left < 5:
-            results[name] = {"status": "skipped", "error": f"the {budget_s:g} s budget is spent", "rows": []}
-            print(f"[gpu_check] {name}: skipped (budget spent)", flush=True)
-            continue
-        timeout = min(caps[name], left)
-        result = scratch / f"{name}.json"
-        cmd = [sys.executable, "-m", "dflash_dist.bench.gpu_check", "--section", name, "--result", str(result),
-               "--timeout-s", f"{timeout:.1f}"] + (["--dry-run"] if dry else [])
-        print(f"[gpu_check] {name}: running (at most {timeout:.0f} s)", flush=True)
-        rc, out, secs = run_tree(cmd, timeout)
-        data = json.loads(result.read_text()) if result.exists() else {"rows": []}
-        r = {"rows": data["rows"], "seconds": secs, "timeout_s": timeout}
-        if rc == 0:
-            r["status"] = "ok"
-        else:
-            r["status"] = "timed out" if rc is None else f"failed (exit {rc})"
-            last = [line for line in out.splitlines() if line.strip()]
-            r["error"] = data.get("error") or (f"ended after {timeout:.0f} s" if rc is None else (last or ["?"])[-1][:160])
-            r["log_tail"] = out[-4000:]
-            if "traceback" in data:
-                r["traceback"] = data["traceback"]
-        results[name] = r
-        print(f"[gpu_check] {name}: {r['status']} in {secs:.0f} s", flush=True)
-    return results
 
 
 # -- shared set-up ------------------------------------------------------------------------------------
@@ -244,6 +130,7 @@ def predicted_peak(cfg: Config, role: str, dev: torch.device, lengths, anchors_p
 
     try:
         from dflash_dist import memory
+        from dflash_dist.model_shapes import model_shapes
         lengths = [int(x) for x in lengths]
         seq_anchors = tuple(int(x) for x in anchors_per_seq)
         batch = memory.BatchShape(tokens=sum(lengths), seqs=len(lengths), anchors=sum(seq_anchors),
@@ -251,7 +138,7 @@ def predicted_peak(cfg: Config, role: str, dev: torch.device, lengths, anchors_p
                                   anchor_pos=tuple(int(x) for x in anchor_pos))
         cfg_one = replace(cfg, transport=replace(cfg.transport, max_in_flight=1))
         device_gib = torch.cuda.get_device_properties(dev).total_memory / 2**30 if dev.type == "cuda" else 141.0
-        pred = memory.predict(cfg_one, memory.model_shapes(cfg_one), batch, device_gib,
+        pred = memory.predict(cfg_one, model_shapes(cfg_one), batch, device_gib,
                               sharding=memory.Sharding(drafters=1, ddp=False, drafters_per_target=1),
                               precision=memory.Precision.from_config(cfg_one, dev.type, attention=attention))
         terms = pred.roles[role].terms
@@ -332,13 +219,49 @@ def section_env(rep: Report, dry: bool, deadline: float) -> None:
 
 # -- drafter ----------------------------------------------------------------------------------------
 
-def section_drafter(rep: Report, dry: bool, deadline: float) -> None:
+def reference_drafter(cfg, dev, compute):
+    """(spec, DFlashDrafter) at the config's target shape, made on `dev`, with a random frozen head."""
     import torch
     from torch import nn
 
+    from dflash_dist.models.drafter import DFlashDrafter, DraftSpec
+    t = cfg.model.target
+    spec = DraftSpec(vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+                     num_layers=cfg.model.draft.num_layers, num_heads=t.num_heads, num_kv_heads=t.num_kv_heads,
+                     head_dim=t.head_dim, rope_theta=t.rope_theta, rms_eps=t.rms_eps,
+                     block_size=cfg.objective.block_size, mask_token_id=t.vocab_size - 1,
+                     target_layer_ids=tuple(feature_layers(cfg)), num_target_layers=t.num_layers)
+    with torch.device(dev):  # parameters made where they live: no host copy of a 4 GB model
+        model = DFlashDrafter(spec, checkpoint_layers=cfg.model.draft.checkpoint_layers)
+        embed = nn.Embedding(t.vocab_size, t.hidden_size, dtype=compute)
+        head = nn.Linear(t.hidden_size, t.vocab_size, bias=False, dtype=compute)
+    model.attach_target_head(embed, head)
+    return spec, model
+
+
+def warm_block_attention(rep: Report, dev, compute, t, block_size: int) -> None:
+    """The drafter op's warm-up as the drafter role runs it (bf16 autocast on CUDA, float32 on CPU), and
+    whether its SDPA fallback runs forward and backward here."""
+    import torch
+
+    from dflash_dist.models import attention as attn
+    autocast_dtype = torch.bfloat16 if dev.type == "cuda" else None
+    heads = dict(heads=t.num_heads, kv_heads=t.num_kv_heads, head_dim=t.head_dim, block_size=block_size)
+    warm = attn.warm_up(dev, compute, ops=("block",), autocast_dtype=autocast_dtype, **heads)["block"]
+    rep.add("attention path", warm["path"], warm.get("flex_error", "auto"))
+    rep.add("attention warm-up s", warm["seconds"], f"graphs per layout {warm['graphs']} (the last must be 0)")
+    try:
+        fallback = attn.warm_up(dev, compute, ops=("block",), impl="sdpa", autocast_dtype=autocast_dtype, **heads)
+        rep.add("sdpa fallback fwd+bwd", "ok", f"{fallback['block']['seconds']:.1f} s")
+    except RuntimeError as exc:
+        rep.add("sdpa fallback fwd+bwd", "FAILED", str(exc)[:160])
+
+
+def section_drafter(rep: Report, dry: bool, deadline: float) -> None:
+    import torch
+
     from dflash_dist.bench.common import timed
     from dflash_dist.models import attention as attn
-    from dflash_dist.models.drafter import DFlashDrafter, DraftSpec
     from dflash_dist.objective import draw_anchors
     from dflash_dist.step import drafter_step
 
@@ -348,32 +271,14 @@ def section_drafter(rep: Report, dry: bool, deadline: float) -> None:
     batches, stats = plan_batches(cfg, dry)
     rep.add("plan anchors per batch", f"mean {stats['mean_anchors']:.0f}, max {stats['max_anchors']}",
             f"{stats['batches']} batches of {PLAN_SAMPLES[dry]} samples, budget {cfg.plan.token_budget}")
-    spec = DraftSpec(vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
-                     num_layers=cfg.model.draft.num_layers, num_heads=t.num_heads, num_kv_heads=t.num_kv_heads,
-                     head_dim=t.head_dim, rope_theta=t.rope_theta, rms_eps=t.rms_eps, block_size=B,
-                     mask_token_id=t.vocab_size - 1, target_layer_ids=tuple(layer_ids), num_target_layers=t.num_layers)
     compute = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    with torch.device(dev):  # parameters made where they live: no host copy of a 4 GB model
-        model = DFlashDrafter(spec, checkpoint_layers=cfg.model.draft.checkpoint_layers)
-        embed = nn.Embedding(t.vocab_size, t.hidden_size, dtype=compute)
-        head = nn.Linear(t.hidden_size, t.vocab_size, bias=False, dtype=compute)
-    model.attach_target_head(embed, head)
+    spec, model = reference_drafter(cfg, dev, compute)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     rep.add("drafter", f"{spec.num_layers} layers, {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params",
             f"anchor chunk {o.anchor_chunk or 'all'}, loss rows {o.loss_rows}, checkpoint_layers "
             f"{cfg.model.draft.checkpoint_layers}")
 
-    # As the drafter role trains: bf16 autocast on CUDA, plain float32 on CPU; attention warmed first.
-    autocast_dtype = torch.bfloat16 if dev.type == "cuda" else None
-    heads = dict(heads=t.num_heads, kv_heads=t.num_kv_heads, head_dim=t.head_dim, block_size=B)
-    warm = attn.warm_up(dev, compute, ops=("block",), autocast_dtype=autocast_dtype, **heads)["block"]
-    rep.add("attention path", warm["path"], warm.get("flex_error", "auto"))
-    rep.add("attention warm-up s", warm["seconds"], f"graphs per layout {warm['graphs']} (the last must be 0)")
-    try:
-        fallback = attn.warm_up(dev, compute, ops=("block",), impl="sdpa", autocast_dtype=autocast_dtype, **heads)
-        rep.add("sdpa fallback fwd+bwd", "ok", f"{fallback['block']['seconds']:.1f} s")
-    except RuntimeError as exc:
-        rep.add("sdpa fallback fwd+bwd", "FAILED", str(exc)[:160])
+    warm_block_attention(rep, dev, compute, t, B)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
     gamma = loss_gamma(o)
 
@@ -503,12 +408,17 @@ def section_target(rep: Report, dry: bool, deadline: float) -> None:
     finally:
         attn.backend.use(None)
 
-    # Isolation: new tokens in sequence 1 leave every other sequence's features bitwise as they were.
+    check_isolation(rep, capture, base, ids, cu, t.vocab_size)
+
+
+def check_isolation(rep: Report, capture, base, ids, cu, vocab_size: int) -> None:
+    """New tokens in sequence 1 leave every other sequence's features bitwise as they were."""
+    import torch
     s, e = int(cu[1]), int(cu[2])
     changed = ids.clone()
-    changed[s:e] = torch.randint(0, t.vocab_size, (e - s,), device=dev)
+    changed[s:e] = torch.randint(0, vocab_size, (e - s,), device=ids.device)
     other = capture(changed)
-    keep = torch.ones(n, dtype=torch.bool, device=dev)
+    keep = torch.ones(ids.numel(), dtype=torch.bool, device=ids.device)
     keep[s:e] = False
     equal = bool(torch.equal(base[keep], other[keep]))
     moved = not torch.equal(base[s:e], other[s:e])
@@ -586,25 +496,6 @@ RUNNERS: dict[str, Callable[[Report, bool, float], None]] = {
     "hang": section_hang}
 
 
-def run_one(name: str, result: Path, dry: bool, timeout_s: float) -> int:
-    """The body of a section's process: its rows go to `result` as they come."""
-    import logging
-    import warnings
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-    rep = Report(result)
-    try:
-        RUNNERS[name](rep, dry, time.monotonic() + timeout_s)
-    except Exception as exc:
-        rep.extra.update(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}",
-                         traceback=traceback.format_exc())
-        rep.save()
-        traceback.print_exc()
-        return 1
-    return 0
-
-
 # -- main -------------------------------------------------------------------------------------------
 
 def parse(argv=None) -> argparse.Namespace:
@@ -628,7 +519,7 @@ def parse(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse(argv)
     if args.section:
-        return run_one(args.section, Path(args.result), args.dry_run, args.timeout_s)
+        return run_one(RUNNERS[args.section], Path(args.result), args.dry_run, args.timeout_s)
     import torch
 
     if not torch.cuda.is_available() and not args.dry_run:
@@ -640,7 +531,7 @@ def main(argv=None) -> int:
     caps.update({k: float(v) for k, v in (item.split("=") for item in args.timeouts.split(",") if item)})
     budget = args.budget_s or BUDGET_S[min(gpus, 2)]
     t0 = time.perf_counter()
-    results = run_sections(args.names, args.dry_run, budget, caps)
+    results = run_sections("dflash_dist.bench.gpu_check", args.names, args.dry_run, budget, caps)
     total = time.perf_counter() - t0
     print_table(results)
     print(f"\ntotal {total:.0f} s (budget {budget:g} s){'; dry run on CPU' if args.dry_run else ''}")

@@ -37,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from dflash_dist import memory as M
+from dflash_dist.model_shapes import TARGET_SHAPES, model_shapes
 from dflash_dist.config import Config, ConfigError, load_config, loss_gamma
 
 
@@ -168,32 +169,38 @@ def _packet_tensors(packet) -> list[torch.Tensor]:
 
 def validate(sc: Scaled = Scaled(), time_steps: bool = True, reps: int = 3) -> dict:
     """Predicted vs measured at the scaled shape; see the module docstring."""
-    from dflash_dist.models.build import build_drafter, draft_spec
+    from dflash_dist.models.build import draft_spec
     from dflash_dist.models.qwen3 import TinyQwen3
     from dflash_dist.objective import anchor_generator, draw_anchors
-    from dflash_dist.capture import capture_for_drafter
-    from dflash_dist.step import drafter_step
 
     cfg = load_config(None, sc.overrides())
-    shapes = M.model_shapes(cfg)
-    P = sc.precision
     target = TinyQwen3(cfg.model.target).to(torch.bfloat16 if sc.bf16 else torch.float32).eval()
     for p in target.parameters():
         p.requires_grad_(False)
-    spec = draft_spec(cfg, target)
     batch = _batch(sc)
-    B = cfg.objective.block_size
-    anchors, anchor_cu = draw_anchors(batch.loss_mask, batch.cu_seqlens, B, sc.num_anchors, anchor_generator(0, 0, 0))
+    anchors, anchor_cu = draw_anchors(batch.loss_mask, batch.cu_seqlens, cfg.objective.block_size, sc.num_anchors,
+                                      anchor_generator(0, 0, 0))
     seq_lens = tuple(int(x) for x in (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]))
     seq_anchors = tuple(int(x) for x in (anchor_cu[1:] - anchor_cu[:-1]))
     starts = torch.repeat_interleave(batch.cu_seqlens[:-1], anchor_cu[1:] - anchor_cu[:-1])
     worst = M.BatchShape(tokens=batch.num_tokens, seqs=batch.num_seqs, anchors=anchors.numel(), seq_lens=seq_lens,
                          seq_anchors=seq_anchors, anchor_pos=tuple((anchors - starts).tolist()))
     out: dict = {"shape": sc.__dict__, "batch": worst.summary()}
+    spec = draft_spec(cfg, target)
+    out["target"], packet = _validate_target(sc, cfg, worst, target, list(spec.target_layer_ids), batch)
+    out.update(_validate_drafter(sc, cfg, worst, target, spec, batch, packet, anchors, anchor_cu, time_steps, reps))
+    if not sc.checkpoint_layers:
+        out["saved_ratio"] = out["chunked"]["saved_measured"] / out["unchunked"]["saved_measured"]
+    if time_steps:
+        out["time_ratio"] = out["chunked"]["step_s"] / out["unchunked"]["step_s"]
+    return out
 
-    # Target: one packet held (the sender's queue at max_in_flight = 1), then the next capture.
+
+def _validate_target(sc: Scaled, cfg: Config, worst: M.BatchShape, target, layer_ids, batch):
+    """The target's peak with one packet held (the sender's queue at max_in_flight = 1) while it captures
+    the next: ({"predicted", "measured"}, the packet the drafter then trains on)."""
+    from dflash_dist.capture import capture_for_drafter
     dtype = torch.bfloat16 if sc.bf16 else torch.float32
-    layer_ids = list(spec.target_layer_ids)
 
     def capture():
         return capture_for_drafter(target, batch, layer_ids, cfg.objective, dtype)
@@ -201,11 +208,17 @@ def validate(sc: Scaled = Scaled(), time_steps: bool = True, reps: int = 3) -> d
     held = capture()
     with LiveBytes() as live:
         live.track(*target.parameters(), *_packet_tensors(held), batch.input_ids, batch.loss_mask, batch.cu_seqlens)
-        feats, labels = capture()
-    pred_t = M.target_terms(shapes, P, cfg, worst, ONE_RANK)
-    out["target"] = {"predicted": sum(pred_t.values()), "measured": live.peak}
-    del held
+        packet = capture()
+    pred = M.target_terms(model_shapes(cfg), sc.precision, cfg, worst, ONE_RANK)
+    return {"predicted": sum(pred.values()), "measured": live.peak}, packet
 
+
+def _validate_drafter(sc: Scaled, cfg: Config, worst: M.BatchShape, target, spec, batch, packet, anchors, anchor_cu,
+                      time_steps: bool, reps: int) -> dict:
+    """The drafter step's peak live and saved bytes, chunked and unchunked (and their step times)."""
+    from dflash_dist.models.build import build_drafter
+    from dflash_dist.step import drafter_step
+    feats, labels = packet
     model = build_drafter(spec, target, cfg.model.draft.seed, torch.device("cpu"), sc.checkpoint_layers)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if sc.bf16 else contextlib.nullcontext()
     params = list(model.parameters())
@@ -221,14 +234,16 @@ def validate(sc: Scaled = Scaled(), time_steps: bool = True, reps: int = 3) -> d
         drafter_step(model, batch, feats, labels, anchors, anchor_cu, gamma=gamma, anchor_chunk=chunk,
                      loss_rows=sc.loss_rows, autocast=autocast)
 
+    out: dict = {}
     for name, chunk in (("chunked", sc.anchor_chunk), ("unchunked", 0)):
         with LiveBytes() as live, SavedBytes(exclude=params + [feats]) as saved:
-            live.track(*params, *state, model.lm_head.weight, model._embed.weight, *_packet_tensors((feats, labels)),
+            live.track(*params, *state, model.lm_head.weight, model._embed.weight, *_packet_tensors(packet),
                        batch.input_ids, batch.loss_mask, batch.cu_seqlens)
             step(chunk)
             opt.step()
             opt.zero_grad(set_to_none=True)
         c = replace(cfg, objective=replace(cfg.objective, anchor_chunk=chunk))
+        shapes, P = model_shapes(cfg), sc.precision
         terms = M.drafter_terms(shapes, P, c, worst, chunk, ONE_RANK)
         out[name] = {"predicted": sum(terms.values()), "measured": live.peak,
                      "saved_predicted": M.drafter_saved(shapes, P, c, worst, chunk),
@@ -243,10 +258,6 @@ def validate(sc: Scaled = Scaled(), time_steps: bool = True, reps: int = 3) -> d
                 opt.zero_grad(set_to_none=True)
         for name, ts in times.items():
             out[name]["step_s"] = min(ts)
-    if not sc.checkpoint_layers:
-        out["saved_ratio"] = out["chunked"]["saved_measured"] / out["unchunked"]["saved_measured"]
-    if time_steps:
-        out["time_ratio"] = out["chunked"]["step_s"] / out["unchunked"]["step_s"]
     return out
 
 
@@ -285,7 +296,7 @@ def validate_hf_capture(model_config, directory: str | Path, layer_ids: list[int
     b = 2 if bf16 else 4
     precision = M.Precision(device="cpu", target_bytes=b, transfer_bytes=b, drafter_compute=b, attention="sdpa")
     worst = M.BatchShape(tokens=seqs * seq_len, seqs=seqs, anchors=0)
-    terms = M.target_terms(M.model_shapes(cfg), precision, cfg, worst, ONE_RANK)
+    terms = M.target_terms(model_shapes(cfg), precision, cfg, worst, ONE_RANK)
 
     def capture():
         return capture_for_drafter(target, batch, list(layer_ids), cfg.objective, dtype)
@@ -325,7 +336,7 @@ def _validate_report(v: dict) -> str:
 
 def evaluate(cfg: Config, device_gib: float, target_shape: str | None = None) -> tuple[M.Prediction, dict]:
     """The prediction at the worst batches of the config's real plan, and where they came from."""
-    shapes = M.model_shapes(cfg, target_shape)
+    shapes = model_shapes(cfg, target_shape)
     lengths, supervised, anchorable, source = M.plan_lengths(cfg)
     worst = M.worst_batches(cfg, lengths, supervised, anchorable)
     pred = M.predict(cfg, shapes, list(worst.values()), device_gib)
@@ -342,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", required=True)
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
     ap.add_argument("--gpu-mem-gib", type=float, default=141.0, help="device memory (H200: 141)")
-    ap.add_argument("--target-shape", choices=sorted(M.TARGET_SHAPES),
+    ap.add_argument("--target-shape", choices=sorted(TARGET_SHAPES),
                     help="built-in target shape when model.target.path has no config.json")
     ap.add_argument("--json", help="write the prediction here")
     ap.add_argument("--validate", action="store_true", help="also check the model against the real code on CPU")

@@ -46,3 +46,12 @@ def collate(ds: TokenDataset, indices: np.ndarray) -> PackedBatch:
     cu = np.zeros(len(parts) + 1, dtype=np.int64)
     np.cumsum([len(p[0]) for p in parts], out=cu[1:])
     return PackedBatch(torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(cu))
+
+
+def warm_up_batch(block_size: int, device) -> PackedBatch:
+    """A small fixed packed batch for warm-ups: two all-supervised sequences, each long enough for a
+    block (so every code path of a real batch runs: packing, context, anchors in two sequences)."""
+    lens = [block_size + 3, 2 * block_size + 1]
+    ids = torch.zeros(sum(lens), dtype=torch.long, device=device)
+    cu = torch.tensor([0, lens[0], sum(lens)], device=device)
+    return PackedBatch(ids, torch.ones_like(ids, dtype=torch.bool), cu)

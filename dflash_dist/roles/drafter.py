@@ -21,7 +21,7 @@ from dflash_dist import checkpoint
 from dflash_dist.capture import capture_for_drafter, packet_spec
 from dflash_dist.checkpoint import Cursor
 from dflash_dist.config import loss_gamma
-from dflash_dist.data.collate import PackedBatch, collate
+from dflash_dist.data.collate import collate, warm_up_batch
 from dflash_dist.models import attention
 from dflash_dist.models.build import build_drafter
 from dflash_dist.objective import anchor_generator, draw_anchors
@@ -91,11 +91,6 @@ class Inbox:
             raise
         except Exception as exc:  # the backend's error says "connection closed", not who is gone
             raise RuntimeError(f"lost target rank {pp.src} while receiving batch {b}: {exc}") from exc
-
-    def host_batch(self, b: int) -> PackedBatch:
-        """Batch b collated on the host from the dataset (what its packet's meta carries, checked equal
-        in size by the header)."""
-        return collate(self.d.run.dataset, self.plan.batch(b))
 
     def done(self, packet: Packet) -> None:
         """The step that used `packet` is over: its feature buffer may be received into again."""
@@ -210,7 +205,7 @@ class Drafter:
             self.wait_s += t1 - t0 - (self.local_target_s - local0)
             self.target_counters[packet_src(inbox, packet, self.run.ctx.rank)] = torch.tensor(
                 [packet.sender_compute_s, packet.sender_wait_s], dtype=torch.float64)
-            self._forward_backward(packet, inbox.host_batch(b), sched.epoch, b, stats, self.sharding.loss_scale(real))
+            self._forward_backward(packet, sched.epoch, b, stats, self.sharding.loss_scale(real))
             inbox.done(packet)
         elif self.sharding.idle_computes:
             self.dummy_step(scale=0.0)  # FSDP's gathers and reduce-scatters need every drafter
@@ -223,12 +218,11 @@ class Drafter:
         self.compute_s += self.clock() - t1
         self.reporter.step(total, self.target_counters, self.state.scheduler.get_last_lr()[0], norm)
 
-    def _forward_backward(self, packet: Packet, host: PackedBatch, epoch: int, b: int, stats: StepStats,
-                          scale: float) -> None:
-        """Anchors are drawn from the batch as the dataset holds it on the host (the packet's copy may be
-        on the GPU, where reading it would wait for the stream)."""
+    def _forward_backward(self, packet: Packet, epoch: int, b: int, stats: StepStats, scale: float) -> None:
+        """Anchors are drawn on the host from the packet's meta (on CUDA that read waits for the packet,
+        which the step needs first anyway: one synchronisation at the step's start)."""
         o, d = self.run.cfg.objective, packet.batch_data
-        anchors, anchor_cu = draw_anchors(host.loss_mask, host.cu_seqlens, o.block_size, o.num_anchors,
+        anchors, anchor_cu = draw_anchors(d.loss_mask, d.cu_seqlens, o.block_size, o.num_anchors,
                                           anchor_generator(self.run.cfg.train.seed, epoch, b))
         m = drafter_step(self.state.model, d, packet.features, packet.target, anchors, anchor_cu, gamma=self.gamma,
                          anchor_chunk=o.anchor_chunk, loss_rows=o.loss_rows, scale=scale, autocast=self.autocast,
@@ -287,13 +281,10 @@ class Drafter:
     def dummy_step(self, scale: float) -> None:
         """Forward/backward of a small fixed packed batch (the warm-up; a tail step's idle drafter under
         FSDP, with scale 0)."""
-        B, dev = self.run.cfg.objective.block_size, self.device
-        lens = [B + 3, 2 * B + 1]
-        cu = torch.tensor([0, lens[0], sum(lens)], device=dev)
-        ids = torch.zeros(sum(lens), dtype=torch.long, device=dev)
-        batch = PackedBatch(ids, torch.ones_like(ids, dtype=torch.bool), cu)
+        B = self.run.cfg.objective.block_size
+        batch = warm_up_batch(B, self.device)
         anchors, anchor_cu = draw_anchors(batch.loss_mask, batch.cu_seqlens, B, 2, torch.Generator().manual_seed(0))
-        feats = torch.zeros(sum(lens), self.packets.feat_dim, dtype=self.packets.dtype, device=dev)
+        feats = torch.zeros(batch.num_tokens, self.packets.feat_dim, dtype=self.packets.dtype, device=self.device)
         drafter_step(self.state.model, batch, feats, None, anchors, anchor_cu, gamma=self.gamma,
                      anchor_chunk=1, scale=scale, autocast=self.autocast,
                      before_last_chunk=self.sharding.before_last_chunk)

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from dflash_dist.capture import capture_for_drafter, packet_spec
 from dflash_dist.checkpoint import Cursor
-from dflash_dist.data.collate import PackedBatch, collate
+from dflash_dist.data.collate import PackedBatch, collate, warm_up_batch
 from dflash_dist.models import attention
 from dflash_dist.plan import epoch_plan, plan_digest
 from dflash_dist.run import RoleResult, RunSetup
@@ -97,11 +95,9 @@ class Target:
         """One capture of a small packed batch before the first collective (compiles the attention)."""
         dev, B, t = self.run.ctx.device, self.run.cfg.objective.block_size, self.run.target
         attention.warm_up(dev, next(t.parameters()).dtype, heads=t.num_heads, kv_heads=t.num_kv_heads,
-                                   head_dim=t.head_dim, ops=("causal",))
-        cu = torch.tensor([0, B + 3, 3 * B + 4], device=dev)
-        ids = torch.zeros(3 * B + 4, dtype=torch.long, device=dev)
-        capture_for_drafter(self.run.target, PackedBatch(ids, torch.ones_like(ids, dtype=torch.bool), cu),
-                            self.run.spec.target_layer_ids, self.run.cfg.objective, self.packets.dtype)
+                          head_dim=t.head_dim, ops=("causal",))
+        capture_for_drafter(t, warm_up_batch(B, dev), self.run.spec.target_layer_ids, self.run.cfg.objective,
+                            self.packets.dtype)
 
 
 def run_target(run: RunSetup) -> RoleResult:
