@@ -3,7 +3,7 @@
 Drafters train in lockstep: a global step is one batch per drafter (schedule.py), and every step ends
 with the gradient averaged over the step's real batches: replicas all-reduce it once (and stay bitwise
 equal, checked at the end), FSDP2 shards reduce-scatter it (sharding.py). Rank 0's other duties (monitor, wandb, evaluation,
-checkpoints, export, summary) live in report.py; every other rank gets the do-nothing twin.
+checkpoints, export, summary) live in reporting.py; every other rank gets the do-nothing twin.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from dflash_dist.models import attention
 from dflash_dist.models.build import build_drafter
 from dflash_dist.objective import anchor_generator, draw_anchors
 from dflash_dist.plan import BatchPlan, epoch_plan, plan_digest
-from dflash_dist.report import evaluates, make_reporter
+from dflash_dist.reporting import evaluates, make_reporter
 from dflash_dist.run import RoleResult, RunSetup
 from dflash_dist.schedule import EpochSchedule, Votes
 from dflash_dist.stats import Diverged, StepStats, device_clock
