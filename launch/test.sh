@@ -2,5 +2,5 @@
 # Set up, then run the test suite (CPU, gloo; multi-process tests use real processes with timeouts).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash launch/setup.sh
+VLLM=1 bash launch/setup.sh  # the regeneration and evaluation tests run vLLM for real
 exec .venv/bin/python -m pytest -q "$@"
