@@ -6,7 +6,6 @@ reported once (exit code 2) instead of as a hang on some other rank.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -107,6 +106,10 @@ class ObjectiveConfig:
     # step (0 = all of the batch's at once), and block rows per LM-head + cross-entropy chunk.
     anchor_chunk: int = 0
     loss_rows: int = 8192
+    # step: the step's summed weighted loss over all drafters' batches divided by the all-reduced sum of
+    # weights (every trained (token, slot) of a step counts the same, as SpecForge does); batch: the mean
+    # over the step's batches of each batch's own weighted mean.
+    loss_norm: str = "step"
 
 
 @dataclass
@@ -190,6 +193,7 @@ _CHOICES = {
     "roles.mode": ("disaggregated", "colocated"),
     "roles.drafter_sharding": ("ddp", "fsdp"),
     "objective.labels": ("data", "target_argmax", "target_soft"),
+    "objective.loss_norm": ("step", "batch"),
     "transport.dtype": ("auto", "float32", "bfloat16", "float16"),
     "dist.backend": ("auto", "gloo", "nccl"),
     "wandb.mode": ("online", "offline", "disabled"),
@@ -300,7 +304,9 @@ def loss_gamma(cfg: ObjectiveConfig) -> float:
 
 
 def default_target_layer_ids(num_target_layers: int, num_feature_layers: int) -> list[int]:
-    """The DFlash rule: one layer -> [L // 2]; otherwise n ids spread evenly over [1, L - 3]."""
+    """The DFlash rule: one layer -> [L // 2]; otherwise n ids spread evenly over [1, L - 3], rounded
+    with Python's `round` (half to even) on start + i * span / (n - 1), as z-lab's reference, SpecForge and
+    SGLang compute it: 94 layers and 5 ids give [1, 24, 46, 68, 91] (half up would say 69)."""
     if num_feature_layers == 1:
         return [num_target_layers // 2]
     lo, hi = 1, num_target_layers - 3
@@ -308,8 +314,8 @@ def default_target_layer_ids(num_target_layers: int, num_feature_layers: int) ->
         raise ConfigError(
             f"config key 'model.draft.num_feature_layers': a {num_target_layers}-layer target is too "
             f"shallow for {num_feature_layers} feature layers; give model.draft.target_layer_ids")
-    step = (hi - lo) / (num_feature_layers - 1)
-    return [int(math.floor(lo + i * step + 0.5)) for i in range(num_feature_layers)]
+    span = hi - lo
+    return [int(round(lo + (i * span) / (num_feature_layers - 1))) for i in range(num_feature_layers)]
 
 
 def to_dict(cfg: Config) -> dict:

@@ -47,8 +47,11 @@ def draft_spec(cfg: Config, target) -> DraftSpec:
         # z-lab convention is ambiguous there; the DFlash rule never picks it.
         raise ConfigError(f"config key 'model.draft.target_layer_ids': layer {L - 1} is the target's last layer; "
                           f"use ids up to {L - 2}")
-    if len(set(ids)) != len(ids):
-        raise ConfigError(f"config key 'model.draft.target_layer_ids': {ids} has duplicates")
+    if any(b <= a for a, b in zip(ids, ids[1:])):
+        # SGLang and vLLM capture and concatenate features in ascending layer order, whatever order the
+        # config lists: a drafter trained on another order is served permuted inputs, without any error.
+        raise ConfigError(f"config key 'model.draft.target_layer_ids': {ids} must be strictly increasing "
+                          "(unique, ascending: the order the serving engines concatenate features in)")
     mask = d.mask_token_id
     if mask < 0:  # the tokenizer's mask token or first unused row (hf); the last row (tiny target)
         mask = getattr(target, "default_mask_token_id", None)
