@@ -83,7 +83,7 @@ class PlanConfig:
     token_budget: int = 1024  # real tokens per batch (49,152 in the reference run)
     max_seqs: int = 64
     max_anchors: int = 0  # 0 = no cap on anchors per batch
-    packing: str = "fill"  # fill: next-fit of the long half, gaps filled with the short half; next_fit: plain
+    packing: str = "fill"  # fill: next-fit of the long half, gaps filled with the short half; next_fit; sorted (plan.py)
 
 
 @dataclass
@@ -189,7 +189,7 @@ class Config:
 _CHOICES = {
     "model.target.kind": ("tiny", "hf"),
     "model.target.dtype": ("auto", "float32", "bfloat16", "float16"),
-    "plan.packing": ("fill", "next_fit"),
+    "plan.packing": ("fill", "next_fit", "sorted"),
     "roles.mode": ("disaggregated", "colocated"),
     "roles.drafter_sharding": ("ddp", "fsdp"),
     "objective.labels": ("data", "target_argmax", "target_soft"),
