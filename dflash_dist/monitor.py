@@ -82,6 +82,9 @@ def snapshot(p: Progress, device: torch.device) -> dict:
         "wait_drafters": wait_fraction(p.drafter_wait_s, p.drafter_compute_s),
         "grad_norm": p.grad_norm, "skipped_steps": p.skipped_steps,
         "rss_gib": psutil.Process().memory_info().rss / 2**30,
+        # Cumulative seconds: a report takes their differences for the wait fractions of each interval.
+        "drafter_wait_s": p.drafter_wait_s, "drafter_compute_s": p.drafter_compute_s,
+        "target_wait_s": p.target_wait_s, "target_compute_s": p.target_compute_s,
     }
     if device.type == "cuda":
         rec["gpu_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -132,7 +135,8 @@ class Sinks:
             self.run_id = self.wandb.id
             self._wandb_step = self.wandb.step - 1  # a resumed run continues after its last row
 
-    def write(self, rec: dict, console: bool = True) -> None:
+    def write(self, rec: dict, console: bool = True, remote: bool = True) -> None:
+        """`remote=False`: JSONL only (the per-step records, too many and too small for wandb's rows)."""
         with self.lock:
             if console:
                 log.info(format_line(rec) if "batch" in rec else json.dumps(json_safe(rec)))
@@ -141,7 +145,7 @@ class Sinks:
                     self.jsonl.write(json.dumps(json_safe(rec), allow_nan=False) + "\n")
                 except (OSError, ValueError) as exc:
                     self._drop_jsonl(exc)
-            if self.wandb is not None:
+            if self.wandb is not None and remote:
                 try:
                     self._log_wandb(rec)
                 except Exception as exc:  # wandb's service died, its disk is full, ...: metrics are not worth a run
@@ -255,9 +259,10 @@ class Monitor:
             if self.progress.step > 0:
                 self.report()
 
-    def report(self, kind: str = "progress") -> dict:
+    def report(self, kind: str = "progress", extra: dict | None = None) -> dict:
         rec = snapshot(self.progress, self.device)
         rec["kind"] = kind
+        rec.update(extra or {})
         self.sinks.write(rec)
         return rec
 

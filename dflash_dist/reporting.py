@@ -11,6 +11,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from dflash_dist.balance import balance_advice, format_advice
@@ -20,6 +21,7 @@ from dflash_dist.export import export_drafter
 from dflash_dist.fsutil import write_json
 from dflash_dist.models import attention
 from dflash_dist.monitor import Monitor, Progress, Sinks
+from dflash_dist.plan import BatchPlan
 from dflash_dist.run import RunSetup
 from dflash_dist.schedule import EpochSchedule
 from dflash_dist.stats import StepStats, wait_fraction
@@ -44,7 +46,7 @@ class NullReporter:
         return False
 
     def begin_training(self) -> None: ...
-    def epoch_start(self, sched: EpochSchedule) -> None: ...
+    def epoch_start(self, sched: EpochSchedule, plan: BatchPlan | None = None) -> None: ...
     def step(self, s: StepStats, targets: torch.Tensor, lr: float, grad_norm: float) -> None: ...
     def epoch_end(self, sched: EpochSchedule, seconds: float) -> None: ...
     def training_over(self) -> None: ...
@@ -74,6 +76,7 @@ class Reporter(NullReporter):
         self.sinks: Sinks | None = None
         self.monitor: Monitor | None = None
         self.last_save = time.time()
+        self.epoch_correct = self.epoch_valid = None  # hits and labels per block slot, this epoch so far
 
     def __enter__(self):
         cfg, h = self.run.cfg, self.state.history
@@ -84,6 +87,12 @@ class Reporter(NullReporter):
         log.info("plan: %s batches over %d epochs = %d total; %d optimizer steps on %d drafters",
                  list(self.run.epoch_counts), cfg.train.epochs, sum(self.run.epoch_counts), self.total_steps,
                  self.run.ctx.layout.num_drafters)
+        lay = self.run.ctx.layout
+        self.sinks.write({"kind": "plan", "step": self.progress.step, "epoch_counts": list(self.run.epoch_counts),
+                          "packing": cfg.plan.packing, "token_budget": cfg.plan.token_budget,
+                          "max_seqs": cfg.plan.max_seqs, "block_size": cfg.objective.block_size,
+                          "num_drafters": lay.num_drafters, "num_targets": lay.num_targets},
+                         console=False, remote=False)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -112,9 +121,14 @@ class Reporter(NullReporter):
     def begin_training(self) -> None:
         self.progress.started = time.time()  # rates and ETA count training time only
 
-    def epoch_start(self, sched: EpochSchedule) -> None:
+    def epoch_start(self, sched: EpochSchedule, plan: BatchPlan | None = None) -> None:
         p = self.progress
         p.epoch, p.epoch_batches, p.epoch_done = sched.epoch, sched.num_batches, sched.origin
+        self.epoch_correct = self.epoch_valid = None
+        if plan is not None:
+            self.sinks.write({"kind": "epoch_plan", "step": p.step, "epoch": sched.epoch + 1, "batches": len(plan),
+                              "planned": self.run.epoch_counts[sched.epoch],
+                              **plan_shape(plan, self.run.dataset.lengths)}, console=False, remote=False)
 
     def step(self, s: StepStats, targets: torch.Tensor, lr: float, grad_norm: float) -> None:
         """Fold one step's all-reduced stats in. The monitor thread reads `progress`; each store below is
@@ -130,9 +144,21 @@ class Reporter(NullReporter):
         p.epoch_done += s.batches
         p.total_done = t.batches
         p.step = t.steps
+        self.epoch_correct = s.correct if self.epoch_correct is None else self.epoch_correct + s.correct
+        self.epoch_valid = s.valid if self.epoch_valid is None else self.epoch_valid + s.valid
+        # One JSONL line per step (the step's batches pooled over drafters): what the run report plots
+        # against the batches' mean sample length; the progress lines sample only every interval.
+        hits, labels = float(s.correct[1:].sum()), float(s.valid[1:].sum())
+        self.sinks.write({"kind": "step", "step": t.steps, "epoch": p.epoch + 1,
+                          "time": round(time.time() - p.started, 3), "step_batches": s.batches,
+                          "step_seqs": s.seqs, "step_tokens": s.tokens, "loss": s.loss,
+                          "acc": hits / labels if labels else float("nan"), "accept_len": p.accept_len,
+                          "grad_norm": grad_norm, "lr": lr}, console=False, remote=False)
 
     def epoch_end(self, sched: EpochSchedule, seconds: float) -> None:
-        rec = self.monitor.report(kind="epoch_end")
+        acc = self.epoch_correct[1:] / self.epoch_valid[1:].clamp(min=1) if self.epoch_valid is not None else None
+        # epoch_acc: per block slot, pooled over the epoch's steps in this process (the last step's is `acc`).
+        rec = self.monitor.report(kind="epoch_end", extra={"epoch_acc": acc.tolist() if acc is not None else []})
         self.state.history.epochs.append({"epoch": sched.epoch + 1, "batches": sched.num_batches,
                                           "epoch_progress": rec["epoch_progress"], "time_s": round(seconds, 2),
                                           "loss": rec["loss"]})
@@ -182,6 +208,7 @@ class Reporter(NullReporter):
             "final_accept_len_estimate": p.accept_len,  # teacher-forced, over anchors: not decoding tau
             "skipped_nonfinite_steps": t.skipped_steps,
             "tau_untrained": h.tau_untrained, "tau_trained": tau_trained,
+            "planned_batches": list(run.epoch_counts),
             "skipped": dict(run.skipped or {}), "skipped_in_preparation": preparation_skips(run.dataset),
             "checkpoint": str(checkpoint) if checkpoint else None, "export": str(exported) if exported else None,
             "weights_digest": digest, "wait_targets": wait_fraction(tw, tc), "wait_drafters": wait_fraction(dw, dc),
@@ -220,3 +247,14 @@ def evaluates(cfg) -> bool:
 
 def make_reporter(run: RunSetup, state: TrainState, total_steps: int) -> NullReporter:
     return Reporter(run, state, total_steps) if run.ctx.rank == 0 else NullReporter()
+
+
+def plan_shape(plan: BatchPlan, lengths) -> dict:
+    """Samples and real tokens per batch of a plan (mean, min, max), as the run report draws them per epoch."""
+    seqs = np.diff(plan.offsets)
+    if not len(seqs):
+        return {}
+    cum = np.concatenate([[0], np.cumsum(np.asarray(lengths)[plan.indices])])
+    toks = cum[plan.offsets[1:]] - cum[plan.offsets[:-1]]
+    return {"samples_mean": float(seqs.mean()), "samples_min": int(seqs.min()), "samples_max": int(seqs.max()),
+            "tokens_mean": float(toks.mean()), "tokens_min": int(toks.min()), "tokens_max": int(toks.max())}
