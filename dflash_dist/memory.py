@@ -135,11 +135,11 @@ class Prediction:
 
 # -- batches ------------------------------------------------------------------------------------------
 
-def tail_anchorable(lengths: np.ndarray, supervised: np.ndarray, block_size: int) -> np.ndarray:
+def tail_anchorable(lengths: np.ndarray, supervised: np.ndarray) -> np.ndarray:
     """Anchor positions per sample when its supervised tokens are its tail (a chat sample's response),
-    as `TokenDataset.num_anchorable` counts them: p with a supervised next token and p + B <= length."""
-    first = np.maximum(lengths - supervised - 1, 0)  # the first p whose next token is supervised
-    return np.where(supervised > 0, np.maximum(lengths - block_size - first + 1, 0), 0)
+    as `TokenDataset.num_anchorable` counts them: p with a supervised next token (p + 1 < length), i.e.
+    every supervised token but a supervised first one."""
+    return np.clip(np.minimum(supervised, lengths - 1), 0, None)
 
 
 def worst_batches(cfg: Config, lengths: np.ndarray, supervised: np.ndarray, anchorable: np.ndarray | None = None,
@@ -151,7 +151,7 @@ def worst_batches(cfg: Config, lengths: np.ndarray, supervised: np.ndarray, anch
     from dflash_dist.plan import build_plan, plan_kwargs
     lengths, supervised = np.asarray(lengths), np.asarray(supervised)
     if anchorable is None:
-        anchorable = tail_anchorable(lengths, supervised, cfg.objective.block_size)
+        anchorable = tail_anchorable(lengths, supervised)
     anchorable = np.asarray(anchorable)
     plans = [build_plan(lengths, supervised, epoch=e, anchorable=anchorable, **plan_kwargs(cfg))
              for e in (epochs if epochs is not None else range(cfg.train.epochs))]
@@ -188,7 +188,7 @@ def plan_lengths(cfg: Config, samples: int = 902_000, seed: int = 0):
     if cfg.data.path:
         from dflash_dist.data.disk import open_dataset
         ds = open_dataset(cfg.data.path)
-        return (np.asarray(ds.lengths), np.asarray(ds.num_supervised), ds.num_anchorable(cfg.objective.block_size),
+        return (np.asarray(ds.lengths), np.asarray(ds.num_supervised), ds.num_anchorable,
                 f"data.path={cfg.data.path}")
     from dflash_dist.data.synthetic import chat_lengths
     lengths, sup = chat_lengths(samples, cfg.plan.token_budget, seed)

@@ -1,7 +1,11 @@
 """The DFlash training objective: anchors, block labels, position-decayed loss, metrics.
 
-Anchors of a sequence are drawn uniformly without replacement among positions p whose next token is
-supervised and that leave room for a whole block inside the sequence (p + B - 1 < len). The draw uses a
+Anchors of a sequence are drawn uniformly without replacement among the positions p whose next token is
+supervised (so p <= len - 2). A block may run past the sequence's end: its slots there carry no label and
+no weight (`block_labels`), so every supervised token, the end-of-turn marker included, is trained at
+every slot from 1 on, and a response shorter than a block is trained. The anchor itself need not be
+supervised: the last prompt token anchors the response's first block (one block per turn), which keeps a
+one-token answer (a bare end-of-turn) trainable; docs/architecture.md says why. The draw uses a
 generator seeded by (seed, epoch, batch) alone, so a batch seen again (after a resume) gets the same
 anchors on any rank.
 
@@ -24,16 +28,14 @@ def anchor_generator(seed: int, epoch: int, batch: int) -> torch.Generator:
     return seeded_generator(seed, epoch, batch)
 
 
-def draw_anchors(loss_mask, cu_seqlens, block_size: int, num_anchors: int, gen: torch.Generator):
-    """Returns (anchors (A,) packed indices sorted, anchor_cu (S+1,)). All on CPU."""
+def draw_anchors(loss_mask, cu_seqlens, num_anchors: int, gen: torch.Generator):
+    """Returns (anchors (A,) packed indices sorted, anchor_cu (S+1,)). All on CPU. The candidates of a
+    sequence [s, e) are the p in [s, e - 2] with a supervised next token (`TokenDataset.num_anchorable`
+    counts them)."""
     loss_mask, cu = loss_mask.cpu(), cu_seqlens.cpu().tolist()
     chosen, counts = [], []
     for s, e in zip(cu[:-1], cu[1:]):
-        last = e - block_size  # room for the whole block: p + B - 1 <= e - 1
-        if last < s:
-            counts.append(0)
-            continue
-        cand = torch.nonzero(loss_mask[s + 1:last + 2]).squeeze(1) + s  # p with mask[p + 1]
+        cand = torch.nonzero(loss_mask[s + 1:e]).squeeze(1) + s  # p with mask[p + 1], p + 1 < e
         k = min(num_anchors, cand.numel())
         pick = cand[torch.randperm(cand.numel(), generator=gen)[:k]].sort().values
         chosen.append(pick)

@@ -2,7 +2,7 @@
 
 Each epoch is a full random shuffle (no length sorting) packed greedily under a budget of real tokens,
 a cap on sequences and optionally a cap on anchors. So the batch count changes from epoch to epoch;
-nothing downstream may assume a constant count. Two packing rules (`plan.packing`):
+nothing downstream may assume a constant count. Three packing rules (`plan.packing`):
 
 - `next_fit`: the shuffled stream is cut into batches in order; a batch closes when its next sample
   does not fit. It leaves about E[L^2] / (2 E[L]) tokens empty per batch.
@@ -14,6 +14,11 @@ nothing downstream may assume a constant count. Two packing rules (`plan.packing
   at the epoch's end. The split (`_short_max`) gives the short side about the tokens the gaps need:
   with more, short-only batches hit the sequence cap before the budget; with fewer, late gaps stay
   empty. Fill and build times at 902K samples: docs/benchmarks.md (plan).
+- `sorted`: the rule this project replaced, kept for comparison and diagnosis. The kept samples are
+  sorted by length once and packed by next-fit into fixed batches; only the batches' order is shuffled
+  each epoch. The batch count is then the same every epoch, but every batch holds samples of one length
+  (batch 0 always the shortest), so the loss and accuracy swing with the length of the batch a step
+  draws (docs/operations.md, "Reading a run").
 
 Both are vectorised: prefix sums and one `searchsorted` give the end of the batch that would start at
 every position, and only the walk from batch start to batch start is a Python loop (one list step per
@@ -33,7 +38,7 @@ from dflash_dist.config import ConfigError
 from dflash_dist.seeding import seeded_generator
 
 SKIP_REASONS = ("empty", "no_supervised", "no_anchor", "over_budget")  # in order of precedence
-PACKINGS = ("fill", "next_fit")
+PACKINGS = ("fill", "next_fit", "sorted")
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +106,8 @@ def build_plan(lengths: np.ndarray, supervised: np.ndarray, *, seed: int, epoch:
     caps = (token_budget, max_seqs, max_anchors)
     if packing == "next_fit":
         indices, offsets = order, _next_fit(lens, anc, *caps)
+    elif packing == "sorted":
+        indices, offsets = _sorted(np.flatnonzero(keep), lengths, anchors, *caps, gen)
     else:
         indices, offsets = _fill(order, lens, anc, *caps, gen)
     return BatchPlan(epoch=epoch, indices=indices, offsets=offsets, skipped={k: int(v.sum()) for k, v in skip.items()})
@@ -108,8 +115,8 @@ def build_plan(lengths: np.ndarray, supervised: np.ndarray, *, seed: int, epoch:
 
 def plan_for_epoch(ds, cfg, epoch: int) -> BatchPlan:
     """The epoch's plan of a dataset under a Config: the one place that calls `build_plan` for a run,
-    with the anchor positions for the configured block size."""
-    return build_plan(ds.lengths, ds.num_supervised, anchorable=ds.num_anchorable(cfg.objective.block_size),
+    with each sample's anchor positions."""
+    return build_plan(ds.lengths, ds.num_supervised, anchorable=ds.num_anchorable,
                       epoch=epoch, **plan_kwargs(cfg))
 
 
@@ -117,7 +124,7 @@ def plan_for_epoch(ds, cfg, epoch: int) -> BatchPlan:
 _SKIP_FIX = {
     "empty": "no tokens: check data.path, or data.synthetic.*",
     "no_supervised": "no supervised token: check the loss mask of data.path (assistant turns?)",
-    "no_anchor": "no room for a block after a supervised token: lower objective.block_size",
+    "no_anchor": "no supervised token after the first: check the loss mask of data.path",
     "over_budget": "longer than a batch may hold: raise plan.token_budget (or plan.max_anchors)",
 }
 
@@ -239,6 +246,22 @@ def _fill(ids: np.ndarray, lens: np.ndarray, anc: np.ndarray | None, token_budge
     indices[(at[:nb] + count)[b] + rank] = ids[short_pos[sel]]
     indices[np.repeat(at[nb:] - rstarts[:-1], rcount) + np.arange(len(rest))] = ids[rest]
     return indices, offsets
+
+
+def _sorted(ids: np.ndarray, lengths: np.ndarray, anchors: np.ndarray | None, token_budget: int, max_seqs: int,
+            max_anchors: int, gen: torch.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """The `sorted` rule: `ids` by length (ties by id, so the same batches every epoch) cut by next-fit;
+    then the batches, whole, in an order drawn from `gen`."""
+    ids = ids[np.argsort(lengths[ids], kind="stable")]
+    starts = _next_fit(lengths[ids], anchors[ids] if anchors is not None else None, token_budget, max_seqs,
+                       max_anchors)
+    sizes = np.diff(starts)
+    perm = permutation(len(sizes), gen)
+    offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes[perm], out=offsets[1:])
+    # Position i of the new order holds the sample at starts[perm[k]] + (i - offsets[k]), k its batch.
+    src = np.repeat(starts[:-1][perm] - offsets[:-1], sizes[perm]) + np.arange(len(ids))
+    return ids[src], offsets
 
 
 def _short_max(size: np.ndarray, budget: int, sample: int = 16384) -> float:

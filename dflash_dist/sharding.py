@@ -4,7 +4,9 @@ PyTorch FSDP2 shards of parameters, gradients and optimizer state (fsdp).
 Both give the training loop the same few calls:
   begin_step / before_last_chunk   around the anchor chunks of one step (FSDP: gradients accumulate
                                    unsharded and unreduced until the last chunk's backward reduce-scatters)
-  finish_grads(real)               the step's gradient = the mean over its `real` batches
+  loss_scale / finish_grads(div)   the step's gradient = the sum over its batches / div (the step's real
+                                   batches for objective.loss_norm=batch, 1 for step: then scale_grads
+                                   divides by the step's all-reduced weight sum)
   idle_computes                    whether a drafter without a batch in a tail step must still run a
                                    (zero-weight) forward/backward: FSDP's gathers and reduce-scatters
                                    are collectives, a replica's single all-reduce is not tied to compute
@@ -37,11 +39,17 @@ class Replicas:
     def before_last_chunk(self) -> None:
         pass
 
-    def finish_grads(self, real: int) -> None:
-        all_reduce_grads(self.params, self.group, divisor=real)
+    def finish_grads(self, div: int) -> None:
+        all_reduce_grads(self.params, self.group, divisor=div)
 
-    def loss_scale(self, real: int) -> float:
+    def loss_scale(self, div: int) -> float:
         return 1.0
+
+    def scale_grads(self, factor: float) -> None:
+        """Every gradient (a local shard under FSDP) times `factor`: the same on every drafter."""
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.mul_(factor)
 
     # Whole states keyed by parameter name (torch.distributed.checkpoint's "full state dict"), in both
     # modes alike. Under FSDP every drafter gets the whole weights (the replica check, the export and
@@ -100,11 +108,11 @@ class Shards(Replicas):
         self.model.set_requires_gradient_sync(True)
         self.model.set_reshard_after_backward(True)
 
-    def loss_scale(self, real: int) -> float:
-        """FSDP averages over all drafters; a tail step's mean is over its `real` batches."""
-        return self.size / real
+    def loss_scale(self, div: int) -> float:
+        """FSDP averages over all drafters: scaled by size / div, the reduced gradient is the sum / div."""
+        return self.size / div
 
-    def finish_grads(self, real: int) -> None:
+    def finish_grads(self, div: int) -> None:
         pass  # reduce-scattered (and averaged) by the last chunk's backward
 
 

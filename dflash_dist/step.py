@@ -3,9 +3,10 @@
 Memory follows the anchor chunk, not the batch. The fused context (`fc` + `hidden_norm` over the batch's
 features) is computed once; its output is detached into a leaf that every anchor chunk reads, so each
 chunk's draft layers and loss are backwarded as soon as they are computed (their activations freed), the
-context's gradient accumulates in the leaf, and the last chunk's backward takes it through `fc`. Each chunk's
-loss is divided by the weight sum of the WHOLE batch, so the chunks add up to exactly the unchunked loss
-and gradient. The LM head and cross-entropy run `loss_rows` rows at a time (`objective.lm_head_loss`).
+context's gradient accumulates in the leaf, and the last chunk's backward takes it through `fc`. With
+`batch_mean` each chunk's loss is divided by the weight sum of the WHOLE batch, so the chunks add up to
+exactly the unchunked loss and gradient; without it the gradient is that of the summed weighted loss, which
+the caller divides by the whole optimizer step's weight sum once it is known (`objective.loss_norm=step`). The LM head and cross-entropy run `loss_rows` rows at a time (`objective.lm_head_loss`).
 """
 from __future__ import annotations
 
@@ -43,10 +44,11 @@ def merge_metrics(parts: list[StepMetrics]) -> StepMetrics:
 
 def drafter_step(model: DFlashDrafter, batch: PackedBatch, features: torch.Tensor, target: TargetLabels | None,
                  anchors: torch.Tensor, anchor_cu: torch.Tensor, *, gamma: float, anchor_chunk: int = 0,
-                 loss_rows: int = 8192, scale: float = 1.0, autocast=contextlib.nullcontext(),
+                 loss_rows: int = 8192, scale: float = 1.0, batch_mean: bool = True, autocast=contextlib.nullcontext(),
                  before_last_chunk=None) -> StepMetrics:
-    """Forward + backward of one batch; gradients accumulate in the parameters' .grad (scaled by `scale`).
-    `before_last_chunk()` runs before the last chunk (FSDP: reduce its gradients in that backward)."""
+    """Forward + backward of one batch; gradients accumulate in the parameters' .grad: those of
+    `scale` x the batch's weighted loss, its mean (sum / the batch's weight sum) with `batch_mean`, else its
+    sum. `before_last_chunk()` runs before the last chunk (FSDP: reduce its gradients in that backward)."""
     A = anchors.numel()
     if A == 0:
         raise ValueError("a batch without any anchor reached the drafter step (the plan must skip such samples)")
@@ -58,7 +60,7 @@ def drafter_step(model: DFlashDrafter, batch: PackedBatch, features: torch.Tenso
     labels, weights, soft = batch_targets(batch, target, anchors, anchor_cu, model.spec.block_size, gamma)
     starts = host_starts.to(dev)
     positions = batch.position_ids
-    norm = scale / weights.sum().clamp(min=1e-9)
+    norm = scale / weights.sum().clamp(min=1e-9) if batch_mean else scale
     head = model.lm_head.weight
     with autocast:
         ctx = model.context(features)

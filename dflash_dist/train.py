@@ -124,7 +124,7 @@ def preflight(cfg: Config, ctx: DistContext, ds, plans) -> None:
         return
     from dflash_dist import memory
     from dflash_dist.model_shapes import model_shapes
-    worst = memory.worst_of_plans(cfg, plans, ds.lengths, ds.num_anchorable(cfg.objective.block_size))
+    worst = memory.worst_of_plans(cfg, plans, ds.lengths, ds.num_anchorable)
     pred = memory.predict(cfg, model_shapes(cfg), list(worst.values()), device_gib)
     # (Colocated ranks hold both roles' memory at once; each role alone is what is checked.)
     refusals = [m for r in ("drafter", "target") if (m := memory.preflight_message(pred, r))]

@@ -46,14 +46,15 @@ def test_a_finished_run_restarted_finishes_its_end_of_run_work_then_says_it_is_c
     assert "is complete (summary.json" in out and "nothing to do" in out
 
 
-def test_one_sequence_per_batch_never_gives_the_drafter_a_batch_without_an_anchor(tmp_path):
-    res = torchrun(3, ["plan.max_seqs=1", "train.epochs=1", "data.synthetic.min_len=12",
-                       "data.synthetic.max_len=60"], tmp_path)
+def test_samples_shorter_than_a_block_are_all_trained(tmp_path):
+    """400 samples of 8-30 tokens at B = 16 (the old rule skipped about half as no_anchor)."""
+    res = torchrun(3, ["train.epochs=1", "data.synthetic.num_samples=400", "data.synthetic.min_len=8",
+                       "data.synthetic.max_len=30", "objective.block_size=16"], tmp_path)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["skipped"]["no_anchor"] > 0, summary["skipped"]
-    assert summary["samples"] + sum(summary["skipped"].values()) == 160, "every sample trained or counted"
+    assert summary["skipped"] == {"empty": 0, "no_supervised": 0, "no_anchor": 0, "over_budget": 0}, summary["skipped"]
+    assert summary["samples"] == 400, "every sample trained"
     assert all(torch.isfinite(torch.tensor(summary["acc_per_position"])))
 
 

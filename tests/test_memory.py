@@ -80,7 +80,7 @@ def test_worst_batches_are_those_of_the_plan():
     rng = np.random.default_rng(0)
     lengths = rng.integers(20, 3000, 500)
     supervised = (lengths * rng.uniform(0.2, 0.9, 500)).astype(np.int64)
-    anchorable = M.tail_anchorable(lengths, supervised, cfg.objective.block_size)
+    anchorable = M.tail_anchorable(lengths, supervised)
     worst = M.worst_batches(cfg, lengths, supervised)
     best = {"anchors": 0, "tokens": 0}
     for epoch in range(2):
@@ -95,12 +95,11 @@ def test_worst_batches_are_those_of_the_plan():
 def test_tail_anchorable_counts_what_draw_anchors_draws_from():
     import torch
     from dflash_dist.objective import draw_anchors
-    B = 4
-    for length, sup in ((10, 3), (10, 10), (5, 2), (3, 3), (12, 0)):
+    for length, sup in ((10, 3), (10, 10), (5, 2), (3, 3), (12, 0), (2, 1), (1, 1)):
         mask = torch.zeros(length, dtype=torch.bool)
         mask[length - sup:] = True
-        anchors, _ = draw_anchors(mask, torch.tensor([0, length]), B, 1000, torch.Generator().manual_seed(0))
-        assert M.tail_anchorable(np.array([length]), np.array([sup]), B)[0] == anchors.numel(), (length, sup)
+        anchors, _ = draw_anchors(mask, torch.tensor([0, length]), 1000, torch.Generator().manual_seed(0))
+        assert M.tail_anchorable(np.array([length]), np.array([sup]))[0] == anchors.numel(), (length, sup)
 
 
 def test_shapes_from_a_config_json(tmp_path):

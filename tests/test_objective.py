@@ -1,5 +1,6 @@
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -82,17 +83,54 @@ def test_labels_and_weights():
     assert (w[2, 6:] == 0).all() and (w[2, 1:6] > 0).all()  # sequence 1 ends at 26
 
 
-def test_anchors_leave_room_and_are_supervised_and_reproducible():
+def test_anchors_precede_a_supervised_token_up_to_the_end_and_are_reproducible():
     cu = torch.tensor([0, 40, 45, 100])
     mask = torch.zeros(100, dtype=torch.bool); mask[10:40] = True; mask[60:100] = True
-    a1, acu1 = draw_anchors(mask, cu, B, 5, anchor_generator(1, 2, 3))
-    a2, acu2 = draw_anchors(mask, cu, B, 5, anchor_generator(1, 2, 3))
+    a1, acu1 = draw_anchors(mask, cu, 5, anchor_generator(1, 2, 3))
+    a2, acu2 = draw_anchors(mask, cu, 5, anchor_generator(1, 2, 3))
     assert torch.equal(a1, a2) and torch.equal(acu1, acu2)
-    assert acu1.tolist() == [0, 5, 5, 10]  # sequence 1 (length 5 < B) has none
+    assert acu1.tolist() == [0, 5, 5, 10]  # sequence 1 has no supervised token
     ends = torch.repeat_interleave(cu[1:], acu1[1:] - acu1[:-1])
-    assert (a1 + B <= ends).all() and mask[a1 + 1].all()
-    a3, _ = draw_anchors(mask, cu, B, 5, anchor_generator(1, 2, 4))
+    assert (a1 + 2 <= ends).all() and mask[a1 + 1].all()
+    a3, _ = draw_anchors(mask, cu, 5, anchor_generator(1, 2, 4))
     assert not torch.equal(a1, a3)
+    # Every candidate, when all are drawn: p = 9..38 and 59..98, blocks running past the sequences' ends.
+    every, acu = draw_anchors(mask, cu, 1000, anchor_generator(0, 0, 0))
+    assert every.tolist() == list(range(9, 39)) + list(range(59, 99)) and acu.tolist() == [0, 30, 30, 70]
+
+
+def test_a_response_shorter_than_a_block_is_trained_to_its_last_token_at_slot_1():
+    """A 3-token prompt and a 5-token answer, B = 16: five anchors (the last prompt token and the first
+    four answer tokens); the last answer token is the slot-1 label of the anchor just before it, and the
+    slots past the end carry no label and no weight."""
+    B16, cu = 16, torch.tensor([0, 8])
+    ids = torch.arange(100, 108)
+    mask = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1], dtype=torch.bool)
+    anchors, acu = draw_anchors(mask, cu, 512, anchor_generator(0, 0, 0))
+    assert anchors.tolist() == [2, 3, 4, 5, 6]
+    labels, w = block_labels(ids, mask, cu, anchors, acu, B16, gamma=7.0)
+    assert labels[-1, 1].item() == 107 and math.isclose(w[-1, 1].item(), 1.0)  # the last token, slot 1
+    for j, p in enumerate(anchors.tolist()):
+        inside = 8 - p  # slots 0 .. inside - 1 lie inside the sequence
+        assert (labels[j, 1:inside] == ids[p + 1:8]).all() and (w[j, 1:inside] > 0).all()
+        assert (labels[j, inside:] == -100).all() and (w[j, inside:] == 0).all()
+    # The last token is trained at every slot 1..5 (once per anchor before it), the first answer token at 1.
+    assert sorted(int(k) for k in torch.nonzero(labels == 107)[:, 1]) == [1, 2, 3, 4, 5]
+
+
+def test_no_anchor_means_no_supervised_token_after_the_first():
+    from dflash_dist.data.dataset import TokenDataset
+    from dflash_dist.plan import build_plan
+    masks = [[1, 0, 0], [0, 1], [1], [1, 1], [0, 0, 0, 1], [1, 0, 1]]
+    offsets = np.cumsum([0] + [len(m) for m in masks])
+    ds = TokenDataset(np.zeros(offsets[-1], dtype=np.int64), offsets, np.concatenate(masks).astype(np.uint8), 10)
+    assert ds.num_anchorable.tolist() == [0, 1, 0, 1, 1, 1]
+    cu = torch.from_numpy(offsets)
+    _, acu = draw_anchors(torch.from_numpy(ds.loss_mask.astype(bool)), cu, 100, anchor_generator(0, 0, 0))
+    assert np.diff(acu.numpy()).tolist() == ds.num_anchorable.tolist()  # the plan counts what the draw finds
+    plan = build_plan(ds.lengths, ds.num_supervised, anchorable=ds.num_anchorable, seed=0, epoch=0,
+                      token_budget=64, max_seqs=8)
+    assert plan.skipped["no_anchor"] == 2 and sorted(plan.indices.tolist()) == [1, 3, 4, 5]
 
 
 def test_gradients_reach_only_the_drafter(setup):

@@ -142,7 +142,7 @@ def test_fill_varies_the_batch_count_on_small_corpora():
 def test_skip_reasons_take_the_first_that_applies():
     lengths = np.array([0, 30, 12, 9000, 9000, 40])
     sup = np.array([0, 0, 6, 5000, 5000, 20])
-    anchorable = np.array([0, 0, 0, 0, 4000, 20])  # sample 2: 12 tokens, too short for a block
+    anchorable = np.array([0, 0, 0, 0, 4000, 20])  # sample 2: its only supervised token is its first
     p = build_plan(lengths, sup, anchorable=anchorable, seed=0, epoch=0, token_budget=4096, max_seqs=16)
     assert p.skipped == {"empty": 1, "no_supervised": 1, "no_anchor": 2, "over_budget": 1}
     assert p.indices.tolist() == [5]

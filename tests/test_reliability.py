@@ -21,7 +21,7 @@ from dflash_dist import checkpoint
 from dflash_dist.checkpoint import (CheckpointWriteError, cleanup_leftovers, layout_meta, list_checkpoints,
                                     resolve_resume, save_checkpoint)
 from dflash_dist.config import ConfigError, load_config, to_dict
-from dflash_dist.data.dataset import TokenDataset, _mask_prefix
+from dflash_dist.data.dataset import TokenDataset
 from dflash_dist.fsutil import write_json
 from dflash_dist.objective import draw_anchors
 from dflash_dist.plan import check_trainable, plan_for_epoch
@@ -289,8 +289,8 @@ def _dataset(lengths, mask_fn, vocab=64):
     return TokenDataset(np.zeros(offsets[-1], dtype=np.int64), offsets, mask, vocab)
 
 
-def test_twelve_token_samples_with_blocks_of_16_are_all_skipped_and_nothing_to_train_is_an_error():
-    ds = _dataset([12] * 40, lambda n: np.r_[0, np.ones(n - 1)])  # a one-token prompt, then supervised
+def test_samples_supervised_only_at_their_first_token_are_skipped_and_nothing_to_train_is_an_error():
+    ds = _dataset([12] * 40, lambda n: np.r_[1, np.zeros(n - 1)])  # no supervised token after the first
     cfg = load_config(None, ["objective.block_size=16", "train.epochs=2"])
     plans = [plan_for_epoch(ds, cfg, e) for e in range(2)]
     assert [len(p) for p in plans] == [0, 0]
@@ -298,10 +298,11 @@ def test_twelve_token_samples_with_blocks_of_16_are_all_skipped_and_nothing_to_t
     with pytest.raises(ConfigError) as e:
         check_trainable([len(p) for p in plans], plans[0].skipped, len(ds))
     assert str(e.value) == ("nothing to train: epoch 1 of 2 has no batch: the plan skips 40 of 40 samples: "
-                            "no_anchor 40 (no room for a block after a supervised token: lower objective.block_size)")
-    # With blocks of 8 they train: anchors p = 0..4 (p + 8 <= 12), each followed by a supervised token.
-    assert list(ds.num_anchorable(8)) == [5] * 40
-    plan = plan_for_epoch(ds, load_config(None, ["objective.block_size=8"]), 0)
+                            "no_anchor 40 (no supervised token after the first: check the loss mask of data.path)")
+    # Twelve-token samples with a one-token prompt train at B = 16: anchors p = 0..10, blocks past the end.
+    short = _dataset([12] * 40, lambda n: np.r_[0, np.ones(n - 1)])
+    assert list(short.num_anchorable) == [11] * 40
+    plan = plan_for_epoch(short, cfg, 0)
     assert plan.skipped["no_anchor"] == 0 and len(plan.indices) == 40
 
 
@@ -327,22 +328,17 @@ def test_anchor_positions_are_the_candidates_draw_anchors_picks_from():
     ds = _dataset(lengths, lambda n: rng.random(n) < 0.3)
     cu = torch.from_numpy(ds.offsets)
     mask = torch.from_numpy(ds.loss_mask.astype(bool))
-    for block in (2, 8, 16, 40):
-        _, anchor_cu = draw_anchors(mask, cu, block, num_anchors=10**6, gen=torch.Generator().manual_seed(0))
-        assert np.array_equal(ds.num_anchorable(block), np.diff(anchor_cu.numpy())), block
-    # Counted in chunks (of 7 tokens here; 16M in use): the same as one prefix sum over everything.
-    at = np.sort(rng.integers(0, len(ds.loss_mask) + 1, 500))
-    whole = np.concatenate([[0], np.cumsum(ds.loss_mask, dtype=np.int64)])
-    assert np.array_equal(_mask_prefix(ds.loss_mask, at, chunk=7), whole[at])
+    _, anchor_cu = draw_anchors(mask, cu, num_anchors=10**6, gen=torch.Generator().manual_seed(0))
+    assert np.array_equal(ds.num_anchorable, np.diff(anchor_cu.numpy()))
 
 
 def test_no_batch_without_an_anchor_even_one_sample_per_batch():
     rng = np.random.default_rng(1)
-    lengths = rng.integers(4, 40, 400)
-    ds = _dataset(lengths, lambda n: np.r_[np.zeros(n // 2), np.ones(n - n // 2)])
+    lengths = rng.integers(1, 40, 400)
+    ds = _dataset(lengths, lambda n: np.r_[np.ones(n - n // 2), np.zeros(n // 2)])  # supervised heads only
     cfg = load_config(None, ["objective.block_size=16", "plan.max_seqs=1"])
     plan = plan_for_epoch(ds, cfg, 0)
-    anchorable = ds.num_anchorable(16)
+    anchorable = ds.num_anchorable
     assert plan.skipped["no_anchor"] == int(np.sum(anchorable == 0)) > 0
     assert all(anchorable[plan.batch(b)].sum() > 0 for b in range(len(plan)))
     assert len(plan.indices) + sum(plan.skipped.values()) == len(ds)
@@ -472,10 +468,10 @@ def _every_rank_says(out, text):
 
 @pytest.mark.slow  # whole runs under torchrun
 def test_nothing_to_train_is_exit_2_on_every_rank(tmp_path):
-    rc, out = _torchrun(["data.synthetic.min_len=12", "data.synthetic.max_len=12"], tmp_path / "run")
+    rc, out = _torchrun(["plan.token_budget=30"], tmp_path / "run")  # every sample has 40+ tokens
     assert rc != 0 and "exitcode  : 2" in out, out[-3000:]
     assert _every_rank_says(out, "cannot start: nothing to train: epoch 1 of 1 has no batch: the plan skips 160 of "
-                                 "160 samples: no_anchor 160"), out[-3000:]
+                                 "160 samples: over_budget 160"), out[-3000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 

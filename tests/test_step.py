@@ -29,7 +29,7 @@ def batch():
     ids = torch.randint(0, V - 1, (63,), generator=gen)
     mask = torch.rand(63, generator=gen) > 0.2
     data = PackedBatch(ids, mask, cu)
-    anchors, anchor_cu = draw_anchors(mask, cu, B, 6, anchor_generator(0, 0, 0))
+    anchors, anchor_cu = draw_anchors(mask, cu, 6, anchor_generator(0, 0, 0))
     assert anchors.numel() >= 9 and sum(lens) == 63
     feats = torch.randn(63, 2 * H, generator=gen)
     n = 63

@@ -91,7 +91,8 @@ def feature_layers(cfg: Config) -> list[int]:
 def plan_batches(cfg: Config, dry: bool) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], dict]:
     """The batch whose anchors are nearest the plan's mean and the one with the most, as (lengths,
     supervised) per sample, from epoch 0 of the benchmark's chat mix at the config's budgets. Anchors
-    per sample: min(supervised, objective.num_anchors) (at most B fewer than draw_anchors finds)."""
+    per sample: min(supervised, objective.num_anchors) (one more than draw_anchors finds only where a
+    sample's first token is supervised)."""
     from dflash_dist.data.synthetic import chat_lengths
     from dflash_dist.plan import build_plan
 
@@ -284,7 +285,7 @@ def section_drafter(rep: Report, dry: bool, deadline: float) -> None:
 
     for name, (lengths, supervised) in batches.items():
         batch = packed_batch(lengths, supervised, t.vocab_size, dev)
-        anchors, anchor_cu = draw_anchors(batch.loss_mask, batch.cu_seqlens, B, o.num_anchors,
+        anchors, anchor_cu = draw_anchors(batch.loss_mask, batch.cu_seqlens, o.num_anchors,
                                           torch.Generator().manual_seed(1))
         anchors, anchor_cu = anchors.to(dev), anchor_cu.to(dev)
         feats = torch.randn(batch.num_tokens, len(layer_ids) * t.hidden_size, device=dev, dtype=compute)

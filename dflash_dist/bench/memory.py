@@ -178,7 +178,7 @@ def validate(sc: Scaled = Scaled(), time_steps: bool = True, reps: int = 3) -> d
     for p in target.parameters():
         p.requires_grad_(False)
     batch = _batch(sc)
-    anchors, anchor_cu = draw_anchors(batch.loss_mask, batch.cu_seqlens, cfg.objective.block_size, sc.num_anchors,
+    anchors, anchor_cu = draw_anchors(batch.loss_mask, batch.cu_seqlens, sc.num_anchors,
                                       anchor_generator(0, 0, 0))
     seq_lens = tuple(int(x) for x in (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]))
     seq_anchors = tuple(int(x) for x in (anchor_cu[1:] - anchor_cu[:-1]))

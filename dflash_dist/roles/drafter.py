@@ -1,8 +1,9 @@
 """Drafter role: recv features -> DFlash loss -> backward -> averaged gradients -> optimizer step.
 
 Drafters train in lockstep: a global step is one batch per drafter (schedule.py), and every step ends
-with the gradient averaged over the step's real batches: replicas all-reduce it once (and stay bitwise
-equal, checked at the end), FSDP2 shards reduce-scatter it (sharding.py). Rank 0's other duties (monitor, wandb, evaluation,
+with one gradient: the summed weighted loss of all the step's batches divided by their all-reduced weight
+sum (objective.loss_norm=step; `batch`: the mean of batch means). Replicas all-reduce it once (and stay
+bitwise equal, checked at the end), FSDP2 shards reduce-scatter it (sharding.py). Rank 0's other duties (monitor, wandb, evaluation,
 checkpoints, export, summary) live in reporting.py; every other rank gets the do-nothing twin.
 """
 from __future__ import annotations
@@ -123,6 +124,7 @@ class Drafter:
         self.packets = packet_spec(cfg, run.spec, self.device)
         self.pool = RecvPool() if self.device.type == "cpu" else None  # CUDA: the caching allocator is one
         self.gamma = loss_gamma(cfg.objective)
+        self.step_norm = cfg.objective.loss_norm == "step"
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" \
             else contextlib.nullcontext()
         self.clock = device_clock(self.device)
@@ -165,7 +167,7 @@ class Drafter:
         self.wait_s += self.clock() - tw
         sched = EpochSchedule(epoch, len(plan), run.origin(epoch), self.D, cfg.train.sync_every)
         self._log_epoch(sched, plan)
-        self.reporter.epoch_start(sched)
+        self.reporter.epoch_start(sched, plan)
         votes = Votes(sched, StopAgreement(run.stop_flag, run.ctx.ctrl_group))
         inbox = Inbox(self, plan, sched, votes)
         for step in range(sched.steps):
@@ -196,6 +198,7 @@ class Drafter:
         """Receive (or idle in a tail step), forward/backward, then the synchronised optimizer step."""
         stats = StepStats(self.run.cfg.objective.block_size)
         b, real = sched.batch(step, self.j), sched.real(step)
+        div = 1 if self.step_norm else real  # step: summed here, divided by the step's weight sum below
         t0, local0 = self.clock(), self.local_target_s
         t1 = t0
         self.sharding.begin_step()
@@ -205,14 +208,16 @@ class Drafter:
             self.wait_s += t1 - t0 - (self.local_target_s - local0)
             self.target_counters[packet_src(inbox, packet, self.run.ctx.rank)] = torch.tensor(
                 [packet.sender_compute_s, packet.sender_wait_s], dtype=torch.float64)
-            self._forward_backward(packet, sched.epoch, b, stats, self.sharding.loss_scale(real))
+            self._forward_backward(packet, sched.epoch, b, stats, self.sharding.loss_scale(div))
             inbox.done(packet)
         elif self.sharding.idle_computes:
             self.dummy_step(scale=0.0)  # FSDP's gathers and reduce-scatters need every drafter
-        self.sharding.finish_grads(real)
+        self.sharding.finish_grads(div)
         stats.wait_s, stats.compute_s = self.wait_s, self.compute_s + self.clock() - t1
         stats.save_due = int(self.reporter.save_due(self.state.totals.steps + 1))
         total = self._reduce(stats)
+        if self.step_norm and total.weight_sum > 0:
+            self.sharding.scale_grads(1.0 / total.weight_sum)  # every trained (token, slot) of the step alike
         self.save_due = total.save_due > 0
         norm = self._optimizer_step(total)
         self.compute_s += self.clock() - t1
@@ -222,10 +227,11 @@ class Drafter:
         """Anchors are drawn on the host from the packet's meta (on CUDA that read waits for the packet,
         which the step needs first anyway: one synchronisation at the step's start)."""
         o, d = self.run.cfg.objective, packet.batch_data
-        anchors, anchor_cu = draw_anchors(d.loss_mask, d.cu_seqlens, o.block_size, o.num_anchors,
+        anchors, anchor_cu = draw_anchors(d.loss_mask, d.cu_seqlens, o.num_anchors,
                                           anchor_generator(self.run.cfg.train.seed, epoch, b))
         m = drafter_step(self.state.model, d, packet.features, packet.target, anchors, anchor_cu, gamma=self.gamma,
-                         anchor_chunk=o.anchor_chunk, loss_rows=o.loss_rows, scale=scale, autocast=self.autocast,
+                         anchor_chunk=o.anchor_chunk, loss_rows=o.loss_rows, scale=scale,
+                         batch_mean=not self.step_norm, autocast=self.autocast,
                          before_last_chunk=self.sharding.before_last_chunk)
         stats.loss_sum, stats.weight_sum = m.loss_sum, m.weight_sum
         stats.accept_sum, stats.blocks = m.accept_sum, m.num_blocks
@@ -283,7 +289,7 @@ class Drafter:
         FSDP, with scale 0)."""
         B = self.run.cfg.objective.block_size
         batch = warm_up_batch(B, self.device)
-        anchors, anchor_cu = draw_anchors(batch.loss_mask, batch.cu_seqlens, B, 2, torch.Generator().manual_seed(0))
+        anchors, anchor_cu = draw_anchors(batch.loss_mask, batch.cu_seqlens, 2, torch.Generator().manual_seed(0))
         feats = torch.zeros(batch.num_tokens, self.packets.feat_dim, dtype=self.packets.dtype, device=self.device)
         drafter_step(self.state.model, batch, feats, None, anchors, anchor_cu, gamma=self.gamma,
                      anchor_chunk=1, scale=scale, autocast=self.autocast,
