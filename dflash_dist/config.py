@@ -6,8 +6,10 @@ reported once (exit code 2) instead of as a hang on some other rank.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
+import typing
 from typing import Any, Optional
 
 from omegaconf import OmegaConf
@@ -18,37 +20,65 @@ class ConfigError(ValueError):
     """A config key or value is wrong; the message names the key."""
 
 
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key accepts: finite (NaN and infinities never are), within the bounds given
+    (`ge`/`gt` below, `le`/`lt` above). Declared on the schema's fields by `num`, checked by `validate`."""
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def allows(self, v: float) -> bool:
+        return (math.isfinite(v) and (self.ge is None or v >= self.ge) and (self.gt is None or v > self.gt)
+                and (self.le is None or v <= self.le) and (self.lt is None or v < self.lt))
+
+    def __str__(self) -> str:
+        lo = f"[{self.ge:g}" if self.ge is not None else f"({self.gt:g}" if self.gt is not None else None
+        hi = f"{self.le:g}]" if self.le is not None else f"{self.lt:g})" if self.lt is not None else None
+        if lo and hi:
+            return f"a finite number in {lo}, {hi}"
+        if lo:
+            return f"a finite number {'>=' if lo[0] == '[' else '>'} {lo[1:]}"
+        return f"a finite number {'<=' if hi[-1] == ']' else '<'} {hi[:-1]}" if hi else "a finite number"
+
+
+def num(default, *, ge=None, gt=None, le=None, lt=None):
+    """A numeric schema field with its range: the one place where a key's allowed values are declared."""
+    return field(default=default, metadata={"range": Range(ge=ge, gt=gt, le=le, lt=lt)})
+
+
 @dataclass
 class TargetConfig:
     kind: str = "tiny"  # tiny: built-in Qwen3-style LM with seeded random weights; hf: transformers
     path: str = ""  # local directory for kind=hf
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
-    seed: int = 1234  # weights of the tiny target
-    vocab_size: int = 128
-    hidden_size: int = 64
-    intermediate_size: int = 192
-    num_layers: int = 6
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 16
-    rope_theta: float = 10000.0
-    rms_eps: float = 1e-6
-    tensor_parallel: int = 1  # ranks per target replica (one node); the replica's first rank sends
+    seed: int = num(1234, ge=0)  # weights of the tiny target
+    vocab_size: int = num(128, ge=1)
+    hidden_size: int = num(64, ge=1)
+    intermediate_size: int = num(192, ge=1)
+    num_layers: int = num(6, ge=1)
+    num_heads: int = num(4, ge=1)
+    num_kv_heads: int = num(2, ge=1)
+    head_dim: int = num(16, ge=1)
+    rope_theta: float = num(10000.0, gt=0)
+    rms_eps: float = num(1e-6, gt=0)
+    tensor_parallel: int = num(1, ge=1)  # ranks per target replica (one node); the replica's first rank sends
 
 
 @dataclass
 class DraftConfig:
-    num_layers: int = 1
+    num_layers: int = num(1, ge=1)
     # 0 = same as the target (the drafter's hidden size always follows the target's).
-    intermediate_size: int = 0
-    num_heads: int = 0
-    num_kv_heads: int = 0
-    head_dim: int = 0
+    intermediate_size: int = num(0, ge=0)
+    num_heads: int = num(0, ge=0)
+    num_kv_heads: int = num(0, ge=0)
+    head_dim: int = num(0, ge=0)
     # Empty = the DFlash rule: one id spread per drafted feature layer over [1, L-3].
     target_layer_ids: list[int] = field(default_factory=list)
-    num_feature_layers: int = 3  # used only when target_layer_ids is empty
-    mask_token_id: int = -1  # -1: the tokenizer's mask token / first unused row (hf), last row (tiny)
-    seed: int = 4321  # drafter initialisation
+    num_feature_layers: int = num(3, ge=1)  # used only when target_layer_ids is empty
+    mask_token_id: int = num(-1, ge=-1)  # -1: the tokenizer's mask token / first unused row (hf), last row (tiny)
+    seed: int = num(4321, ge=0)  # drafter initialisation
     checkpoint_layers: bool = False  # recompute each draft layer in backward (activations: one layer's)
 
 
@@ -60,12 +90,12 @@ class ModelConfig:
 
 @dataclass
 class SyntheticConfig:
-    num_samples: int = 1200
-    min_len: int = 40
-    max_len: int = 160
-    prompt_frac: float = 0.3  # leading share of each sample that is prompt (not supervised)
-    noise: float = 0.1  # share of tokens drawn at random; the rest follow a seeded rule
-    seed: int = 7
+    num_samples: int = num(1200, ge=1)
+    min_len: int = num(40, ge=1)
+    max_len: int = num(160, ge=1)
+    prompt_frac: float = num(0.3, ge=0, lt=1)  # leading share of each sample that is prompt (not supervised)
+    noise: float = num(0.1, ge=0, le=1)  # share of tokens drawn at random; the rest follow a seeded rule
+    seed: int = num(7, ge=0)
     # Replace each response by the target's own greedy continuation of its prompt, as DFlash data is
     # made in practice, so that a trained drafter can be accepted by its target (cached on disk).
     regenerate: bool = True
@@ -80,32 +110,32 @@ class DataConfig:
 
 @dataclass
 class PlanConfig:
-    token_budget: int = 1024  # real tokens per batch (49,152 in the reference run)
-    max_seqs: int = 64
-    max_anchors: int = 0  # 0 = no cap on anchors per batch
+    token_budget: int = num(1024, ge=1)  # real tokens per batch (49,152 in the reference run)
+    max_seqs: int = num(64, ge=1)
+    max_anchors: int = num(0, ge=0)  # 0 = no cap on anchors per batch
     packing: str = "fill"  # fill: next-fit of the long half, gaps filled with the short half; next_fit; sorted (plan.py)
 
 
 @dataclass
 class RolesConfig:
     mode: str = "disaggregated"  # colocated: every rank runs target then drafter (N=1 allowed)
-    drafters_per_node: int = 1
+    drafters_per_node: int = num(1, ge=1)
     drafter_sharding: str = "ddp"  # ddp: replicas, gradients averaged; fsdp: FSDP2 shards among drafters
 
 
 @dataclass
 class ObjectiveConfig:
-    block_size: int = 16
-    num_anchors: int = 16  # per sequence (512 in the reference recipes)
-    gamma: float = 0.0  # 0 = the paper's rule: 7 for B=16, 5 for B=10, 4 for B=8
+    block_size: int = num(16, ge=2)
+    num_anchors: int = num(16, ge=1)  # per sequence (512 in the reference recipes)
+    gamma: float = num(0.0, ge=0)  # 0 = the paper's rule: 7 for B=16, 5 for B=10, 4 for B=8
     # data: the corpus tokens; target_argmax / target_soft: distillation from the target's logits
     # (its greedy token / its top-k softmax), which makes every target run its whole forward.
     labels: str = "data"
-    soft_top_k: int = 8  # logits per token sent for target_soft
+    soft_top_k: int = num(8, ge=1)  # logits per token sent for target_soft
     # Drafter memory follows these, not the batch: anchors per forward/backward inside one optimizer
     # step (0 = all of the batch's at once), and block rows per LM-head + cross-entropy chunk.
-    anchor_chunk: int = 0
-    loss_rows: int = 8192
+    anchor_chunk: int = num(0, ge=0)
+    loss_rows: int = num(8192, ge=1)
     # step: the step's summed weighted loss over all drafters' batches divided by the all-reduced sum of
     # weights (every trained (token, slot) of a step counts the same, as SpecForge does); batch: the mean
     # over the step's batches of each batch's own weighted mean.
@@ -114,18 +144,18 @@ class ObjectiveConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-2
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.95
-    warmup_ratio: float = 0.05
-    grad_clip: float = 1.0
+    lr: float = num(1e-2, gt=0)
+    min_lr_ratio: float = num(0.1, ge=0, le=1)  # the cosine decays to lr * this
+    weight_decay: float = num(0.0, ge=0)
+    beta1: float = num(0.9, ge=0, lt=1)
+    beta2: float = num(0.95, ge=0, lt=1)
+    warmup_ratio: float = num(0.05, ge=0, lt=1)
+    grad_clip: float = num(1.0, ge=0)  # 0 = no clipping
 
 
 @dataclass
 class TransportConfig:
-    max_in_flight: int = 2  # packets a target may run ahead of each drafter
+    max_in_flight: int = num(2, ge=1)  # packets a target may run ahead of each drafter
     dtype: str = "auto"  # feature transfer dtype; auto = the target's compute dtype
 
 
@@ -134,41 +164,44 @@ class DistConfig:
     backend: str = "auto"  # auto: nccl with CUDA, gloo otherwise
     # Collectives may legitimately wait through a compile or a checkpoint save; dead peers are found by
     # the heartbeats within dead_after_s, so this is only the last resort.
-    timeout_s: float = 1800.0
-    heartbeat_s: float = 1.0
-    dead_after_s: float = 15.0  # a peer whose heartbeat is older than this is reported dead
+    timeout_s: float = num(1800.0, gt=0)  # must exceed dead_after_s + 2 * heartbeat_s (see `validate`)
+    heartbeat_s: float = num(1.0, ge=0.05)
+    dead_after_s: float = num(15.0, ge=1)  # a peer whose heartbeat is older than this is reported dead
     # Memory pre-flight: the device size the memory model checks the worst batch against. 0 = the
     # device's own (CUDA only; no check on CPU); a value forces the check at that size anywhere.
-    device_memory_gib: float = 0.0
+    device_memory_gib: float = num(0.0, ge=0)
 
 
 @dataclass
 class MonitorConfig:
-    interval_s: float = 2.0
+    interval_s: float = num(2.0, gt=0)
 
 
 @dataclass
 class WandbConfig:
     mode: str = "offline"  # online | offline | disabled; WANDB_MODE in the environment overrides it
-    init_timeout_s: float = 20.0  # online start-up wait; then wandb logs offline (upload later: wandb sync)
+    init_timeout_s: float = num(20.0, gt=0)  # online start-up wait; then wandb logs offline (upload later: wandb sync)
     project: str = "dflash_dist"
     name: str = ""
 
 
 @dataclass
 class TrainConfig:
-    epochs: int = 3
-    seed: int = 0  # plan shuffle and anchor draws
+    epochs: int = num(3, ge=1)
+    seed: int = num(0, ge=0)  # plan shuffle and anchor draws
     run_dir: str = "runs/default"
     export: bool = True
-    eval_prompts: int = 12  # held-out prompts for tau before/after training (rank 0; 0 = skip)
-    eval_new_tokens: int = 40
+    eval_prompts: int = num(12, ge=0)  # held-out prompts for tau before/after training (rank 0; 0 = skip)
+    eval_new_tokens: int = num(40, ge=1)
+    # {"turns": [...]} JSONL (or token-id JSONL) the end-of-run tau is measured on, through the target's chat
+    # template; "" = the synthetic held-out set. Needs the whole target on rank 0 (dflash_dist.evaluation).
+    eval_bench: str = ""
     resume: str = "auto"  # auto: newest complete checkpoint of run_dir; none; or a checkpoint directory
-    checkpoint_every_steps: int = 0  # 0 = off
-    checkpoint_every_min: float = 0.0  # 0 = off
-    keep_last: int = 3  # checkpoints kept (0 = all)
-    sync_every: int = 2  # steps between stop votes (>= transport.max_in_flight); a stop lands within 3 windows
-    max_nonfinite_steps: int = 3  # steps skipped for a non-finite loss or gradient norm before the run stops
+    checkpoint_every_steps: int = num(0, ge=0)  # 0 = off
+    checkpoint_every_min: float = num(0.0, ge=0)  # 0 = off
+    keep_last: int = num(3, ge=0)  # checkpoints kept (0 = all)
+    sync_every: int = num(2, ge=1)  # steps between stop votes (>= transport.max_in_flight); a stop lands within 3 windows
+    max_nonfinite_steps: int = num(3, ge=1)  # steps skipped for a non-finite loss or gradient norm before the run stops
 
 
 @dataclass
@@ -239,58 +272,63 @@ def _get(cfg: Config, dotted: str) -> Any:
     return obj
 
 
+def ranges(node: Any = Config, prefix: str = "") -> dict[str, "Range"]:
+    """Every numeric key of the schema (dotted) -> its declared Range; a numeric key without one is None."""
+    out: dict[str, Range | None] = {}
+    hints = typing.get_type_hints(node)
+    for f in dataclasses.fields(node):
+        key, tp = f"{prefix}{f.name}", hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            out.update(ranges(tp, key + "."))
+        elif tp in (int, float):
+            out[key] = f.metadata.get("range")
+    return out
+
+
+def _check_ranges(cfg: Config) -> None:
+    for key, rng in ranges().items():
+        v = _get(cfg, key)
+        if rng is not None and not rng.allows(v):
+            raise ConfigError(f"config key '{key}': must be {rng}, got {v!r}")
+
+
 def validate(cfg: Config) -> None:
-    """Checks that need no process group and no model weights (those come in `models.build.draft_spec`)."""
+    """Checks that need no process group and no model weights (those come in `models.build.draft_spec`):
+    each numeric key against the range its schema field declares, then the rules that relate keys."""
     for key, choices in _CHOICES.items():
         if _get(cfg, key) not in choices:
             raise ConfigError(f"config key '{key}': {_get(cfg, key)!r} is not one of {choices}")
-    positive = [
-        "plan.token_budget", "plan.max_seqs", "objective.num_anchors", "train.epochs",
-        "transport.max_in_flight", "dist.timeout_s", "monitor.interval_s", "optim.lr", "wandb.init_timeout_s",
-        "model.target.vocab_size", "model.target.hidden_size", "model.target.num_layers",
-        "model.target.num_heads", "model.target.num_kv_heads", "model.target.head_dim",
-        "model.draft.num_layers", "data.synthetic.num_samples", "data.synthetic.min_len",
-        "objective.loss_rows", "train.max_nonfinite_steps", "model.target.tensor_parallel",
-    ]
-    for key in positive:
-        if not _get(cfg, key) > 0:
-            raise ConfigError(f"config key '{key}': must be > 0, got {_get(cfg, key)!r}")
-    if cfg.objective.block_size < 2:
-        raise ConfigError(f"config key 'objective.block_size': must be >= 2, got {cfg.objective.block_size}")
-    if cfg.objective.soft_top_k < 1:
-        raise ConfigError(f"config key 'objective.soft_top_k': must be >= 1, got {cfg.objective.soft_top_k}")
+    _check_ranges(cfg)
     if cfg.objective.labels == "target_soft" and cfg.model.target.kind == "tiny" \
             and cfg.objective.soft_top_k > cfg.model.target.vocab_size:
         raise ConfigError(f"config key 'objective.soft_top_k': {cfg.objective.soft_top_k} exceeds the target's "
                           f"vocabulary ({cfg.model.target.vocab_size})")
-    if cfg.roles.drafters_per_node < 1:
-        raise ConfigError("config key 'roles.drafters_per_node': must be >= 1")
     if cfg.train.sync_every < cfg.transport.max_in_flight:
         raise ConfigError("config key 'train.sync_every': must be >= transport.max_in_flight "
                           f"({cfg.train.sync_every} < {cfg.transport.max_in_flight})")
-    for key in ("train.checkpoint_every_steps", "train.keep_last", "train.checkpoint_every_min"):
-        if _get(cfg, key) < 0:
-            raise ConfigError(f"config key '{key}': must be >= 0")
-    if not 0 < cfg.dist.heartbeat_s < cfg.dist.dead_after_s:
-        raise ConfigError("config key 'dist.dead_after_s': must exceed dist.heartbeat_s > 0")
-    if cfg.objective.anchor_chunk < 0:
-        raise ConfigError("config key 'objective.anchor_chunk': must be >= 0 (0 = all anchors at once)")
-    if cfg.plan.max_anchors < 0:
-        raise ConfigError("config key 'plan.max_anchors': must be >= 0")
+    _check_liveness(cfg.dist)
     s = cfg.data.synthetic
     if s.max_len < s.min_len:
         raise ConfigError("config key 'data.synthetic.max_len': must be >= data.synthetic.min_len")
-    if not 0.0 <= s.prompt_frac < 1.0:
-        raise ConfigError("config key 'data.synthetic.prompt_frac': must be in [0, 1)")
-    if not 0.0 <= s.noise <= 1.0:
-        raise ConfigError("config key 'data.synthetic.noise': must be in [0, 1]")
-    if not 0.0 <= cfg.optim.warmup_ratio < 1.0:
-        raise ConfigError("config key 'optim.warmup_ratio': must be in [0, 1)")
     if cfg.model.target.kind == "hf" and not cfg.model.target.path:
         raise ConfigError("config key 'model.target.path': required when model.target.kind=hf")
     t = cfg.model.target
     if t.num_heads % t.num_kv_heads:
         raise ConfigError("config key 'model.target.num_kv_heads': must divide model.target.num_heads")
+
+
+def _check_liveness(d: "DistConfig") -> None:
+    """The watchdog reads heartbeats every heartbeat_s: a peer is silent only after several missed beats
+    (one late beat of a busy host is no death). A collective that gives up (dist.timeout_s) before the
+    watchdog can name a dead peer (dead_after_s, plus two beats to see it) fails without saying who died."""
+    if d.dead_after_s < 3 * d.heartbeat_s:
+        raise ConfigError(f"config key 'dist.dead_after_s': must be >= 3 x dist.heartbeat_s "
+                          f"({d.dead_after_s:g} < 3 x {d.heartbeat_s:g}): a peer is declared dead only after "
+                          "several missed heartbeats")
+    if d.timeout_s <= d.dead_after_s + 2 * d.heartbeat_s:
+        raise ConfigError(f"config key 'dist.timeout_s': must exceed dist.dead_after_s + 2 x dist.heartbeat_s "
+                          f"({d.timeout_s:g} <= {d.dead_after_s + 2 * d.heartbeat_s:g}): a collective must not give "
+                          "up before the watchdog can name a dead peer")
 
 
 def loss_gamma(cfg: ObjectiveConfig) -> float:
