@@ -1,4 +1,12 @@
-"""Replace every sample's response with the target's own greedy continuation of its prompt.
+"""python -m dflash_dist.data.regenerate: the target writes the training responses itself.
+
+Two inputs, one command:
+  * a chat JSONL (`--input chats.jsonl --target DIR --output out.jsonl`): every assistant turn is
+    replaced by the target's reply, turn by turn, through vLLM or transformers, sharded over ranks and
+    resumable: dflash_dist.data.regen (its cli.py lists the options);
+  * the run's token corpus (`--out DIR [--config FILE]`, below): the synthetic corpus of the default job.
+
+Token corpus: replace every sample's response with the target's own greedy continuation of its prompt.
 
 A drafter is judged by how often it agrees with the target, so it should train on what the target
 would say, not on the corpus text: the prompt (the unsupervised prefix) is kept, the response (from the
@@ -142,12 +150,17 @@ def main(argv=None) -> int:
     run's corpus (data.path, or the synthetic default) with its target and write it as a prepared
     dataset; train on it with data.path=DIR."""
     import argparse
+    import sys
 
     from dflash_dist.config import ConfigError, load_config
     from dflash_dist.data.disk import REQUIRED_META, DatasetError, open_dataset, write_dataset
     from dflash_dist.data.synthetic import synthetic_dataset
     from dflash_dist.models.build import build_target
 
+    given = sys.argv[1:] if argv is None else list(argv)
+    if any(a == "--input" or a.startswith("--input=") for a in given):  # a chat JSONL: the regen stage
+        from dflash_dist.data.regen.cli import main as chat_main
+        return chat_main(given)
     ap = argparse.ArgumentParser(prog="dflash_dist.data.regenerate", description=main.__doc__)
     ap.add_argument("--out", required=True, help="output dataset directory")
     ap.add_argument("--config", help="YAML config of the run (it fixes the target and the corpus)")

@@ -1,0 +1,113 @@
+"""Work in chunks of input lines, written atomically, so a stopped or killed run resumes where it was.
+
+    OUTPUT.parts/key.json             what the chunks depend on; a rerun with other settings is refused
+    OUTPUT.parts/chunk-000012.jsonl   the output lines of input lines [12*C, 13*C), in input order
+    OUTPUT.parts/chunk-000012.json    its counts; written last, so it marks the chunk as finished
+    OUTPUT.parts/progress-rank3.json  rank 3's running totals (for rank 0's progress line)
+
+Chunk c belongs to rank c mod world (the chunk index fixes its content; the world size only who does
+it, so a resume may use another number of ranks). When every chunk is finished, rank 0 concatenates them
+into OUTPUT and writes OUTPUT's meta file (both atomically), then removes the parts directory.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterator
+
+from dflash_dist.fsutil import fsync_dir, write_json
+
+log = logging.getLogger(__name__)
+
+
+class KeyMismatch(ValueError):
+    pass
+
+
+def parts_dir(output: Path) -> Path:
+    return output.with_name(output.name + ".parts")
+
+
+def meta_path(output: Path) -> Path:
+    """OUTPUT's meta file beside it: chats.jsonl -> chats.meta.json."""
+    return output.with_name(output.stem + ".meta.json")
+
+
+def chunk_paths(parts: Path, c: int) -> tuple[Path, Path]:
+    return parts / f"chunk-{c:06d}.jsonl", parts / f"chunk-{c:06d}.json"
+
+
+def count_lines(path: Path) -> int:
+    n, last = 0, b"\n"
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            n += block.count(b"\n")
+            last = block[-1:]
+    return n + (last != b"\n")  # a last line without its newline is a line
+
+
+def claim(parts: Path, key: dict[str, Any]) -> None:
+    """Create the parts directory for `key`, or check that the one there was made with the same key."""
+    parts.mkdir(parents=True, exist_ok=True)
+    path = parts / "key.json"
+    if not path.exists():
+        write_json(path, key)  # ranks racing here write the same content; the rename is atomic
+    old = json.loads(path.read_text())
+    if old != key:
+        diff = sorted(k for k in set(old) | set(key) if old.get(k) != key.get(k))
+        raise KeyMismatch(f"{parts} holds chunks of another job (differs in {', '.join(diff)}): rerun with the "
+                          f"same arguments to resume it, or remove {parts} to start over")
+
+
+def finished(parts: Path, c: int) -> bool:
+    return chunk_paths(parts, c)[1].is_file()
+
+
+def chunk_lines(path: Path, chunk_size: int, todo: set[int]) -> Iterator[tuple[int, list[tuple[int, bytes]]]]:
+    """(chunk, [(line number from 1, raw line)]) for the chunks in `todo`, in order, reading once."""
+    lines: list[tuple[int, bytes]] = []
+    c = 0
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            c = (line_no - 1) // chunk_size
+            if c in todo:
+                lines.append((line_no, raw))
+            if line_no % chunk_size == 0 and lines:
+                yield c, lines
+                lines = []
+    if lines:
+        yield c, lines
+
+
+def write_chunk(parts: Path, c: int, out_lines: list[str], counts: dict[str, Any]) -> None:
+    """The chunk's lines, then its counts: a chunk with a counts file is whole."""
+    data, done = chunk_paths(parts, c)
+    tmp = data.with_name(f".{data.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(line + "\n" for line in out_lines)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, data)
+    write_json(done, counts)
+
+
+def read_counts(parts: Path, c: int) -> dict[str, Any]:
+    return json.loads(chunk_paths(parts, c)[1].read_text())
+
+
+def merge(parts: Path, output: Path, num_chunks: int, meta: dict[str, Any]) -> None:
+    """Concatenate the chunks into OUTPUT (atomically), write its meta file, remove the parts."""
+    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as out:
+        for c in range(num_chunks):
+            with open(chunk_paths(parts, c)[0], "rb") as f:
+                shutil.copyfileobj(f, out, 1 << 24)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, output)
+    fsync_dir(output.parent)
+    write_json(meta_path(output), meta)
+    shutil.rmtree(parts)

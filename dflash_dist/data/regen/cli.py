@@ -1,0 +1,97 @@
+"""python -m dflash_dist.data.regenerate --target DIR --input chats.jsonl --output out.jsonl [options]
+
+Replaces every assistant turn of a chat JSONL (OpenAI `messages` or ShareGPT `conversations`) by the
+target's own reply, turn by turn, and writes a chat JSONL of the same schema: one line per kept input
+line, in input order, plus OUTPUT's meta file (out.meta.json: counts, skips by reason, the settings).
+Under torchrun (or srun + torchrun) each rank runs its own engine on its share of the chunks; rank 0
+merges. Rerunning the same command resumes; SIGTERM/SIGUSR2 stop after the current chunk (exit 75).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from dflash_dist.data.regen.chunks import KeyMismatch
+from dflash_dist.data.regen.engine import EngineSpec, Sampling, default_engine
+from dflash_dist.data.regen.run import Job, Shard, run
+
+log = logging.getLogger("dflash_dist.data.regenerate")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m dflash_dist.data.regenerate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True, help="target model directory (weights, config, tokenizer)")
+    ap.add_argument("--input", required=True, help="chat JSONL to regenerate")
+    ap.add_argument("--output", required=True, help="chat JSONL to write (same schema)")
+    ap.add_argument("--tokenizer", help="tokenizer directory with the chat template (default: --target)")
+    ap.add_argument("--engine", choices=("vllm", "hf"), default=None,
+                    help="vllm (the default where it is installed) or hf (transformers)")
+    ap.add_argument("--max-new-tokens", type=int, default=2048, help="longest reply, in tokens")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 (the default): greedy")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed (each reply: seed, line, turn)")
+    think = ap.add_mutually_exclusive_group()
+    think.add_argument("--enable-thinking", dest="thinking", action="store_true", default=None,
+                       help="pass enable_thinking=true to the chat template (Qwen3-style)")
+    think.add_argument("--no-thinking", dest="thinking", action="store_false",
+                       help="pass enable_thinking=false to the chat template")
+    ap.add_argument("--on-length", choices=("drop", "keep"), default="drop",
+                    help="a reply cut at --max-new-tokens: drop the conversation (default) or keep it cut")
+    ap.add_argument("--chunk-size", type=int, default=2000, help="input lines per resumable chunk")
+    ap.add_argument("--dtype", default="auto", help="auto: float32 on CPU, the checkpoint's dtype on GPUs")
+    ap.add_argument("--max-model-len", type=int, default=0, help="context of the engine (0: the target's)")
+    ap.add_argument("--tensor-parallel", type=int, default=1, help="GPUs per engine (vllm); one rank per engine")
+    ap.add_argument("--kv-cache-gib", type=float, default=1.0, help="CPU only: vLLM's KV cache size")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--batch-size", type=int, default=64, help="hf engine: prompts per generate call")
+    ap.add_argument("--progress-s", type=float, default=30.0, help="seconds between progress lines in a log")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    return ap
+
+
+def job_from_args(args: argparse.Namespace) -> Job:
+    bad = [f"--{k.replace('_', '-')} must be {w}" for k, ok, w in [
+        ("max_new_tokens", args.max_new_tokens >= 1, ">= 1"), ("chunk_size", args.chunk_size >= 1, ">= 1"),
+        ("temperature", args.temperature >= 0, ">= 0"), ("top_p", 0 < args.top_p <= 1, "in (0, 1]"),
+        ("tensor_parallel", args.tensor_parallel >= 1, ">= 1"), ("batch_size", args.batch_size >= 1, ">= 1"),
+        ("kv_cache_gib", args.kv_cache_gib > 0, "> 0"), ("max_model_len", args.max_model_len >= 0, ">= 0")] if not ok]
+    if bad:
+        raise ValueError("; ".join(bad))
+    spec = EngineSpec(name=args.engine or default_engine(), target=args.target, tokenizer=args.tokenizer or args.target,
+                      dtype=args.dtype, max_model_len=args.max_model_len, tensor_parallel=args.tensor_parallel,
+                      kv_cache_gib=args.kv_cache_gib, gpu_memory_utilization=args.gpu_memory_utilization,
+                      batch_size=args.batch_size)
+    return Job(input=Path(args.input), output=Path(args.output), engine=spec,
+               sampling=Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed),
+               on_length=args.on_length, enable_thinking=args.thinking, chunk_size=args.chunk_size,
+               progress_s=args.progress_s)
+
+
+def check_paths(job: Job, overwrite: bool) -> None:
+    if not job.input.is_file():
+        raise FileNotFoundError(f"--input {job.input}: file not found")
+    if not Path(job.engine.target).is_dir():
+        raise FileNotFoundError(f"--target {job.engine.target}: directory not found")
+    if job.output.exists() and not overwrite:
+        raise FileExistsError(f"--output {job.output} already exists (pass --overwrite to replace it)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    shard = Shard.from_env()
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank{shard.rank}] %(levelname)s %(name)s: "
+                                                   "%(message)s")
+    try:
+        job = job_from_args(args)
+        check_paths(job, args.overwrite)
+        return run(job, shard)
+    except (ValueError, FileNotFoundError, FileExistsError, KeyMismatch, ImportError) as exc:
+        log.error("rank %d: %s", shard.rank, exc)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

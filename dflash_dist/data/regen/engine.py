@@ -1,0 +1,75 @@
+"""What the driver needs from an inference engine, and how one is chosen.
+
+An engine takes prompts as token ids (both engines see exactly the ids the chat template produced, so
+their outputs can be compared token for token) and returns each reply's ids without its end token,
+with whether it ended at an end token or at its length limit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_new_tokens: int
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything that builds an engine: the same value on every rank."""
+    name: str  # "vllm" | "hf"
+    target: str  # directory with the weights (and, unless `tokenizer` is given, the tokenizer)
+    tokenizer: str
+    dtype: str = "auto"  # "auto": float32 on CPU, the checkpoint's dtype on a GPU
+    max_model_len: int = 0  # 0: the target's max_position_embeddings
+    tensor_parallel: int = 1  # GPUs per engine (vLLM)
+    kv_cache_gib: float = 1.0  # CPU only: vLLM's KV cache (else it reserves 90% of host memory)
+    gpu_memory_utilization: float = 0.9
+    batch_size: int = 64  # hf only: prompts per generate call
+
+
+@dataclass
+class Generated:
+    ids: list[int]  # the reply, its end token removed
+    stopped: bool  # True: ended at an end token; False: cut at its token limit
+
+
+class Engine(Protocol):
+    context_len: int  # prompt + reply tokens the engine can hold
+
+    def generate(self, prompts: list[list[int]], max_tokens: list[int], sampling: Sampling,
+                 seeds: list[int]) -> list[Generated]:
+        """One reply per prompt; reply i has at most max_tokens[i] tokens; seeds[i] fixes its sampling."""
+        ...
+
+
+def finish(ids: list[int], limit: int, stop_ids: frozenset[int]) -> Generated:
+    """A raw generation (it may run past its own limit in a padded batch, or carry its end token) as the
+    engines report it: cut to `limit`, then ended at the first end token."""
+    ids = list(ids[:limit])
+    for i, t in enumerate(ids):
+        if t in stop_ids:
+            return Generated(ids[:i], True)
+    return Generated(ids, False)
+
+
+def default_engine() -> str:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return "hf"
+    return "vllm"
+
+
+def build_engine(spec: EngineSpec, stop_ids: list[int], local_rank: int = 0) -> Engine:
+    if spec.name == "vllm":
+        from dflash_dist.data.regen.vllm import VllmEngine
+        return VllmEngine(spec, stop_ids, local_rank)
+    if spec.name == "hf":
+        from dflash_dist.data.regen.hf import HfEngine
+        return HfEngine(spec, stop_ids, local_rank)
+    raise ValueError(f"--engine must be vllm or hf, got {spec.name!r}")

@@ -1,0 +1,80 @@
+"""The transformers engine: batched generate() with left padding, one process, one device.
+
+It is the reference the vLLM engine is checked against (float32 greedy: the same ids) and the fallback
+where vLLM is not installed; at scale it is the slow path (no paged KV cache, no continuous batching:
+a batch runs as long as its longest reply).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+from dflash_dist.data.regen.engine import EngineSpec, Generated, Sampling, finish
+
+log = logging.getLogger(__name__)
+
+
+def _dtype(name: str, device: torch.device):
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else "auto"
+    return getattr(torch, name)
+
+
+@contextlib.contextmanager
+def _one_cpu_thread(device: torch.device):
+    """A tiny model on a shared CPU runs thousands of small ops: intra-op threads only add
+    synchronisation (data.regenerate's synthetic path measured up to 10x slower). Restored afterwards."""
+    before = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+class HfEngine:
+    def __init__(self, spec: EngineSpec, stop_ids: list[int], local_rank: int = 0):
+        from transformers import AutoModelForCausalLM
+        self.device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+        self.model = AutoModelForCausalLM.from_pretrained(spec.target, dtype=_dtype(spec.dtype, self.device))
+        self.model.to(self.device).eval()
+        self.stop_ids = frozenset(stop_ids)
+        self.batch_size = spec.batch_size
+        self.context_len = spec.max_model_len or int(self.model.config.max_position_embeddings)
+        # Padding never reaches a reply (masked, then cut off by finish()); any id works.
+        self.pad_id = min(stop_ids)
+        log.info("hf engine: %s on %s, %s, context %d", spec.target, self.device, self.model.dtype, self.context_len)
+
+    def generate(self, prompts: list[list[int]], max_tokens: list[int], sampling: Sampling,
+                 seeds: list[int]) -> list[Generated]:
+        out: list[Generated | None] = [None] * len(prompts)
+        # Similar lengths share a batch: less padding, and a batch's replies end at similar times.
+        order = sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), -max_tokens[i]))
+        with _one_cpu_thread(self.device), torch.inference_mode():
+            for b in range(0, len(order), self.batch_size):
+                idx = order[b:b + self.batch_size]
+                for i, g in zip(idx, self._batch([prompts[i] for i in idx], [max_tokens[i] for i in idx],
+                                                 sampling, seeds[idx[0]])):
+                    out[i] = g
+        return out  # type: ignore[return-value]
+
+    def _batch(self, prompts: list[list[int]], limits: list[int], sampling: Sampling, seed: int) -> list[Generated]:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for r, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
+            ids[r, width - len(p):] = torch.tensor(p)
+            mask[r, width - len(p):] = 1
+        greedy = sampling.temperature == 0
+        if not greedy:
+            torch.manual_seed(seed)  # reproducible for the same batches (hf sampling is batch-dependent)
+        gen = self.model.generate(
+            input_ids=ids.to(self.device), attention_mask=mask.to(self.device), max_new_tokens=max(limits),
+            do_sample=not greedy, temperature=None if greedy else sampling.temperature,
+            top_p=None if greedy else sampling.top_p, top_k=None, eos_token_id=sorted(self.stop_ids),
+            pad_token_id=self.pad_id)
+        new = gen[:, width:].tolist()
+        return [finish(row, lim, self.stop_ids) for row, lim in zip(new, limits)]

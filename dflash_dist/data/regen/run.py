@@ -1,0 +1,237 @@
+"""The driver: this rank's chunks, turn by turn, then (rank 0) the merge.
+
+Turn by turn: in a chunk, assistant turn t of every conversation that has one is generated in one batch,
+from the conversation rendered up to that turn with the target's chat template and generation prompt;
+the reply replaces the turn before turn t + 1 is rendered, so every later turn continues the target's own
+conversation. A conversation whose reply reaches the token limit is dropped under --on-length drop (its
+later turns are not generated) or kept cut under keep; either way it is counted.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dflash_dist.data.prepare import Skip
+from dflash_dist.data.regen import chunks
+from dflash_dist.data.regen.chat import SKIP_REASONS, ChatRenderer, Conversation, parse_line, stop_token_ids
+from dflash_dist.data.regen.engine import Engine, EngineSpec, Sampling, build_engine
+from dflash_dist.data.regen.progress import RankProgress, Reporter
+
+log = logging.getLogger(__name__)
+
+EXIT_RESUME = 75  # as training: stopped on request, finished chunks kept, rerun to resume
+LOGGED_PER_REASON = 20
+
+
+@dataclass(frozen=True)
+class Job:
+    input: Path
+    output: Path
+    engine: EngineSpec
+    sampling: Sampling
+    on_length: str = "drop"  # drop | keep
+    enable_thinking: bool | None = None  # None: the chat template's default
+    chunk_size: int = 2000
+    progress_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Which share of the chunks this process does: chunk c belongs to rank c % world."""
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @staticmethod
+    def from_env() -> "Shard":
+        return Shard(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+                     int(os.environ.get("LOCAL_RANK", 0)))
+
+
+class StopSignal:
+    """SIGTERM / SIGUSR2 / SIGINT: finish the chunk in hand, write it, exit 75."""
+
+    def __init__(self):
+        self.name = ""
+
+    def install(self) -> "StopSignal":
+        for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
+            signal.signal(sig, self._handler)
+        return self
+
+    def _handler(self, signum, frame) -> None:
+        if not self.name:
+            self.name = signal.Signals(signum).name
+            log.warning("received %s: stopping after the current chunk is written", self.name)
+
+
+def job_key(job: Job) -> dict:
+    """What a chunk's content depends on (not the number of ranks, nor where the output goes)."""
+    st = job.input.stat()
+    return {"format": 1, "input": str(job.input.absolute()), "input_size": st.st_size,
+            "input_mtime_ns": st.st_mtime_ns, "target": str(Path(job.engine.target).absolute()),
+            "tokenizer": str(Path(job.engine.tokenizer).absolute()), "engine": job.engine.name,
+            "dtype": job.engine.dtype, "max_model_len": job.engine.max_model_len, "sampling": asdict(job.sampling),
+            "on_length": job.on_length, "enable_thinking": job.enable_thinking, "chunk_size": job.chunk_size}
+
+
+def request_seed(seed: int, line_no: int, turn: int) -> int:
+    """A sampled reply depends on (seed, line, turn) only: the same with any chunking or rank count."""
+    return (seed * 1_000_003 + line_no * 257 + turn) % (2 ** 31 - 1)
+
+
+class ChunkWorker:
+    """Regenerates one chunk at a time with this rank's engine; keeps the skip log bounded."""
+
+    def __init__(self, job: Job, engine: Engine, renderer: ChatRenderer, progress: RankProgress):
+        self.job, self.engine, self.renderer, self.progress = job, engine, renderer, progress
+        self.logged: Counter = Counter()
+
+    def skip(self, counts: Counter, line_no: int, reason: str, message: str) -> None:
+        counts[f"skipped.{reason}"] += 1
+        if reason == "blank_line":
+            return
+        self.logged[reason] += 1
+        level = logging.WARNING if self.logged[reason] <= LOGGED_PER_REASON else logging.DEBUG
+        log.log(level, "%s:%d: skipped (%s): %s", self.job.input, line_no, reason, message)
+
+    def run(self, lines: list[tuple[int, bytes]]) -> tuple[list[str], Counter]:
+        counts: Counter = Counter(lines=len(lines))
+        convs: list[Conversation] = []
+        for line_no, raw in lines:
+            try:
+                convs.append(parse_line(line_no, raw))
+            except Skip as s:
+                self.skip(counts, line_no, s.reason, str(s))
+        self.progress.add(conversations=len(lines) - len(convs))
+        alive = {c.line_no: c for c in convs}
+        for t in range(max((len(c.turns) for c in convs), default=0)):
+            self._turn(t, [c for c in alive.values() if len(c.turns) > t], alive, counts)
+        out = [c for c in convs if c.line_no in alive]
+        counts.update(conversations_out=len(out), replies=sum(len(c.turns) for c in out),
+                      new_tokens=sum(c.new_tokens for c in out), cut_kept=sum(c.cut_turns > 0 for c in out))
+        return [c.to_line() for c in out], counts
+
+    def _turn(self, t: int, batch: list[Conversation], alive: dict[int, Conversation], counts: Counter) -> None:
+        ctx, limit = self.engine.context_len, self.job.sampling.max_new_tokens
+        todo, prompts = [], []
+        for c in batch:
+            try:
+                ids = self.renderer.prompt_ids(c, c.turns[t])
+                if len(ids) >= ctx:
+                    raise Skip("over_context", f"assistant turn {t + 1}: prompt of {len(ids)} tokens >= the "
+                                               f"engine's context of {ctx}")
+            except Skip as s:
+                self._drop(c, alive, counts, s.reason, str(s))
+                continue
+            todo.append(c)
+            prompts.append(ids)
+        gens = self.engine.generate(prompts, [min(limit, ctx - len(p)) for p in prompts], self.job.sampling,
+                                    [request_seed(self.job.sampling.seed, c.line_no, t) for c in todo]) if todo else []
+        tokens = 0
+        for c, p, g in zip(todo, prompts, gens):
+            c.set_reply(c.turns[t], self.renderer.reply_text(g.ids))
+            c.new_tokens += len(g.ids) + g.stopped  # the end token was generated too
+            counts["prompt_tokens"] += len(p)
+            tokens += len(g.ids) + g.stopped
+            if not g.stopped:
+                c.cut_turns += 1
+                if self.job.on_length == "drop":
+                    self._drop(c, alive, counts, "cut", f"assistant turn {t + 1} reached {len(g.ids)} tokens "
+                                                        "(--max-new-tokens or the context) without ending")
+                    continue
+            if t == len(c.turns) - 1:
+                self.progress.add(conversations=1)
+        self.progress.add(tokens=tokens)
+
+    def _drop(self, c: Conversation, alive: dict, counts: Counter, reason: str, message: str) -> None:
+        del alive[c.line_no]
+        self.skip(counts, c.line_no, reason, message)
+        self.progress.add(conversations=1)
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(path)
+    if not tok.chat_template:
+        raise ValueError(f"{path}: the tokenizer has no chat_template")
+    return tok
+
+
+def generation_config(target: str) -> dict:
+    p = Path(target) / "generation_config.json"
+    return json.loads(p.read_text()) if p.is_file() else {}
+
+
+def summed(counts: list[dict]) -> dict:
+    total: Counter = Counter()
+    for c in counts:
+        total.update(c)
+    skipped = {r: int(total.pop(f"skipped.{r}", 0)) for r in SKIP_REASONS}
+    return {**{k: int(v) for k, v in sorted(total.items())}, "skipped": skipped}
+
+
+def work(job: Job, shard: Shard, stop: StopSignal, parts: Path, num_chunks: int) -> bool:
+    """This rank's unfinished chunks; False when a stop signal ended it early."""
+    mine = {c for c in range(num_chunks) if c % shard.world == shard.rank and not chunks.finished(parts, c)}
+    log.info("rank %d: %d of its chunks to do (%d chunks of %d lines in all)", shard.rank, len(mine), num_chunks,
+             job.chunk_size)
+    if not mine:
+        return True
+    tok = load_tokenizer(job.engine.tokenizer)
+    stops = stop_token_ids(tok, generation_config(job.engine.target))
+    engine = build_engine(job.engine, stops, shard.local_rank)
+    stop.install()  # after the engine: nothing it starts may take the handlers over
+    worker = ChunkWorker(job, engine, ChatRenderer(tok, job.enable_thinking), RankProgress(parts, shard.rank))
+    for c, lines in chunks.chunk_lines(job.input, job.chunk_size, mine):
+        t0 = time.monotonic()
+        out, counts = worker.run(lines)
+        chunks.write_chunk(parts, c, out, dict(counts))
+        worker.progress.chunk_written()
+        log.info("chunk %d: %d lines -> %d conversations, %d new tokens in %.1f s", c, counts["lines"],
+                 counts["conversations_out"], counts["new_tokens"], time.monotonic() - t0)
+        if stop.name:
+            return False
+    return True
+
+
+def run(job: Job, shard: Shard) -> int:
+    """Exit code: 0 done (rank 0: OUTPUT written), 75 stopped by a signal with its chunks kept."""
+    stop = StopSignal().install()
+    parts = chunks.parts_dir(job.output)
+    key = job_key(job)
+    chunks.claim(parts, key)
+    total = chunks.count_lines(job.input)
+    num_chunks = math.ceil(total / job.chunk_size)
+    reporter = None
+    if shard.rank == 0:
+        before = sum(chunks.read_counts(parts, c)["lines"] for c in range(num_chunks) if chunks.finished(parts, c))
+        reporter = Reporter(parts, total, before, job.progress_s).start()
+    try:
+        if not work(job, shard, stop, parts, num_chunks):
+            log.warning("stopped by %s: finished chunks are kept in %s; rerun the same command to resume", stop.name,
+                        parts)
+            return EXIT_RESUME
+        if shard.rank != 0:
+            return 0
+        while not all(chunks.finished(parts, c) for c in range(num_chunks)):  # the other ranks' chunks
+            if stop.name:
+                return EXIT_RESUME
+            time.sleep(1.0)
+    finally:
+        if reporter is not None:
+            log.info("%s", reporter.stop())
+    meta = {"made_by": "dflash_dist.data.regenerate", "input_lines": total, **summed(
+        [chunks.read_counts(parts, c) for c in range(num_chunks)]), "job": key}
+    chunks.merge(parts, job.output, num_chunks, meta)
+    log.info("wrote %s: %d conversations from %d lines, %d new tokens; skipped %s", job.output,
+             meta.get("conversations_out", 0), total, meta.get("new_tokens", 0),
+             {k: v for k, v in meta["skipped"].items() if v})
+    return 0
