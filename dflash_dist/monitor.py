@@ -11,8 +11,10 @@ import json
 import logging
 import math
 import os
+import socket
 import threading
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -210,6 +212,18 @@ def wandb_mode(configured: str) -> str:
     return mode
 
 
+def _check_reachable(wandb, timeout_s: float) -> None:
+    """Raise ConnectionError when wandb's server (its base_url: WANDB_BASE_URL, `wandb login --host`, or the
+    default) takes no TCP connection within `timeout_s`. wandb.init retries a refused connection for about
+    12 s whatever its init_timeout says; one connect bounded by the timeout finds the refusal at once."""
+    url = urllib.parse.urlsplit(wandb.setup().settings.base_url)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConnectionError(f"{url.hostname}:{port} is unreachable ({exc})") from exc
+
+
 def _start_wandb(run_dir: Path, wandb_cfg, config_dict: dict, mode: str, run_id: str | None):
     """wandb.init with a bounded wait; online falls back to offline; any other failure turns wandb off."""
     import wandb
@@ -221,6 +235,8 @@ def _start_wandb(run_dir: Path, wandb_cfg, config_dict: dict, mode: str, run_id:
 
     t0 = time.monotonic()
     try:
+        if mode == "online":
+            _check_reachable(wandb, wandb_cfg.init_timeout_s)
         run = init(mode)
     except Exception as exc:  # wandb raises its own Error types, and whatever its service hits
         failed, waited = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}", time.monotonic() - t0

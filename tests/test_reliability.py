@@ -444,7 +444,7 @@ def test_unreachable_wandb_online_falls_back_to_offline_within_the_timeout(tmp_p
     took = time.monotonic() - t0
     try:
         assert sinks.wandb is not None and sinks.wandb.settings.mode == "offline"
-        assert took < 2.0 + 15, took  # the bounded wait, plus an offline start on a loaded 2-core machine
+        assert took < 2.0 + 5, took  # the bounded wait, plus an offline start on a loaded 2-core machine (was 12-13 s more)
         sync = sinks.wandb.settings.sync_dir
         assert "wandb could not start online within" in caplog.text
         assert f"logging offline to {sync} instead; upload it later with: wandb sync {sync}" in caplog.text
