@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import string
 import subprocess
 import sys
@@ -201,6 +202,50 @@ def test_cli_with_workers_matches_in_process(tok_dir, tmp_path):
         assert np.array_equal(getattr(ref, name), getattr(cli, name)), name
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)  # output exists, no --overwrite
     assert again.returncode == 1 and "already exists" in again.stderr
+
+
+# -- issue 19: one bad line is one counted skip with its line number, never the end of a whole prepare ---------
+
+HOSTILE = [
+    "[" * 100_000 + "]" * 100_000,  # nested past Python's recursion limit: json.loads raises RecursionError
+    '{"messages": [{"role": "user", "content": "hi \\ud800"}, {"role": "assistant", "content": "ok."}]}',
+    '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [{"type": "text", '
+    '"text": "\\udfff"}]}]}',  # a lone low surrogate in a content part
+]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_deeply_nested_or_surrogate_line_is_a_counted_skip_with_its_line_number(tok_dir, tmp_path, caplog, workers):
+    lines, expected = corpus_lines()
+    src = write_jsonl(tmp_path / "chat.jsonl", lines + HOSTILE)
+    with caplog.at_level(logging.WARNING, logger="dflash_dist.data.prepare"):
+        meta = prepare(str(tok_dir), str(src), str(tmp_path / "ds"), Options(max_length=150), workers=workers)
+    n = len(lines)
+    assert meta["num_samples"] == 3 and meta["made_by"]["input_lines"] == n + 3
+    assert {k: v for k, v in meta["skipped"].items() if v} == dict(expected, bad_json=2, bad_text=2)
+    assert re.search(rf"chat\.jsonl:{n + 1}: skipped \(bad_json\): bad JSON: RecursionError", caplog.text)
+    assert f"chat.jsonl:{n + 2}: skipped (bad_text): message 0: not valid Unicode text (surrogates not allowed" \
+        in caplog.text
+    assert f"chat.jsonl:{n + 3}: skipped (bad_text): message 1:" in caplog.text
+    assert open_dataset(tmp_path / "ds").meta["skipped"] == meta["skipped"]
+
+
+def test_any_other_error_one_line_raises_is_a_counted_skip_too(tok_dir, tmp_path, caplog, monkeypatch):
+    """A tokenizer that fails on one input (as the surrogate did before it was caught as bad_text)."""
+    import dflash_dist.data.prepare as prep
+    real = prep.encode
+
+    def flaky(tok, messages, opts, eot):
+        if "poison" in messages[-1]["content"]:
+            raise TypeError("TextEncodeInput must be Union[TextInputSequence, ...]")
+        return real(tok, messages, opts, eot)
+    monkeypatch.setattr(prep, "encode", flaky)
+    lines, expected = corpus_lines()
+    src = write_jsonl(tmp_path / "chat.jsonl", lines + [json.dumps(openai([("user", "q"), ("assistant", "poison")]))])
+    with caplog.at_level(logging.WARNING, logger="dflash_dist.data.prepare"):
+        meta = prepare(str(tok_dir), str(src), str(tmp_path / "ds"), Options(max_length=150))
+    assert meta["num_samples"] == 3 and meta["skipped"]["unexpected_error"] == 1
+    assert f"chat.jsonl:{len(lines) + 1}: skipped (unexpected_error): TypeError: TextEncodeInput" in caplog.text
 
 
 @pytest.mark.slow

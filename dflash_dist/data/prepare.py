@@ -45,8 +45,8 @@ from dflash_dist.data.disk import DatasetWriter
 
 log = logging.getLogger(__name__)
 
-SKIP_REASONS = ("blank_line", "bad_json", "bad_format", "unknown_role", "empty_conversation", "no_assistant",
-                "template_error", "span_not_found", "no_supervised", "over_length")
+SKIP_REASONS = ("blank_line", "bad_json", "bad_format", "bad_text", "unknown_role", "empty_conversation",
+                "no_assistant", "template_error", "span_not_found", "no_supervised", "over_length", "unexpected_error")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
 OPENAI_ROLES = {"system", "user", "assistant"}
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -73,12 +73,18 @@ class Options:
 
 def _text(content: Any, where: str) -> str:
     if isinstance(content, str):
-        return content
+        text = content
     # OpenAI content parts: [{"type": "text", "text": ...}, ...]
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
-    raise Skip("bad_format", f"{where}: content must be a string or a list of text parts")
+    elif isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                           and isinstance(p.get("text"), str) for p in content):
+        text = "".join(p["text"] for p in content)
+    else:
+        raise Skip("bad_format", f"{where}: content must be a string or a list of text parts")
+    try:  # JSON's \ud800 escapes decode to lone surrogates, which no tokenizer (nor UTF-8) takes
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise Skip("bad_text", f"{where}: not valid Unicode text ({exc.reason} at character {exc.start})") from exc
+    return text
 
 
 def parse_messages(obj: Any) -> list[dict[str, str]]:
@@ -213,12 +219,14 @@ def _process(item: tuple[int, bytes]) -> tuple[int, str | None, Any]:
             raise Skip("blank_line", "blank line")
         try:
             obj = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise Skip("bad_json", f"bad JSON: {exc}") from exc
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
+            raise Skip("bad_json", f"bad JSON: {type(exc).__name__}: {exc}") from exc
         messages = parse_messages(obj)
         return line_no, None, encode(_worker["tokenizer"], messages, _worker["opts"], _worker["eot"])
     except Skip as skip:
         return line_no, skip.reason, str(skip)
+    except Exception as exc:  # whatever else one line makes the tokenizer raise costs that line, not the run
+        return line_no, "unexpected_error", f"{type(exc).__name__}: {exc}"
 
 
 def load_tokenizer(path: str):
