@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import zipfile
 from pathlib import Path
 from typing import Callable
 
@@ -124,16 +125,21 @@ def regeneration_key(cfg, device: torch.device, max_new_tokens: int | None = Non
 
 def cached_regenerate(cache_dir: str | Path, key_dict: dict, fn: Callable[[], TokenDataset]) -> TokenDataset:
     """fn() once per key: the result is kept in cache_dir as regen-<hash>.npz (written atomically, so
-    ranks racing on the same key leave one whole file)."""
+    ranks racing on the same key leave one whole file). A cache file that cannot be read whole (truncated
+    by a full disk or a copy, damaged: its members carry CRCs) is named in a warning and made again."""
     text = json.dumps(key_dict, sort_keys=True, default=str)
     path = Path(cache_dir) / f"regen-{hashlib.sha256(text.encode()).hexdigest()[:20]}.npz"
     if path.is_file():
-        with np.load(path, allow_pickle=False) as z:
-            if str(z["key"]) == text:
-                log.info("regenerated corpus: cache hit %s", path)
-                return TokenDataset(tokens=z["tokens"], offsets=z["offsets"], loss_mask=z["loss_mask"],
-                                    vocab_size=int(z["vocab_size"]))
-        log.warning("cache file %s holds another key: regenerating", path)
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                if str(z["key"]) == text:
+                    ds = TokenDataset(tokens=z["tokens"], offsets=z["offsets"], loss_mask=z["loss_mask"],
+                                      vocab_size=int(z["vocab_size"]))
+                    log.info("regenerated corpus: cache hit %s", path)
+                    return ds
+            log.warning("cache file %s holds another key: regenerating", path)
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
+            log.warning("cache file %s is damaged (%s: %s): regenerating it", path, type(exc).__name__, exc)
     ds = fn()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
