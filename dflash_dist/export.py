@@ -1,8 +1,10 @@
 """Export the drafter in the z-lab DFlash format, read by vLLM/SGLang DFlash support.
 
 config.json: a Qwen3 config of the drafter plus block_size, num_target_layers and
-dflash_config {mask_token_id, target_layer_ids}; model.safetensors: layers.*, fc.weight,
-hidden_norm.weight, norm.weight only (the embedding and LM head are the target's).
+dflash_config {mask_token_id, target_layer_ids}, with the target's max_position_embeddings;
+model.safetensors: layers.*, fc.weight, hidden_norm.weight, norm.weight only (the embedding and LM head
+are the target's); README.md: a model card saying what it was trained against and on, its tau, and the
+exact settings that serve it in SGLang and vLLM (docs/serving.md says why each matters).
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ def export_config(spec: DraftSpec) -> dict:
         "rope_scaling": None,
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "max_position_embeddings": 40960,
+        "max_position_embeddings": spec.max_position_embeddings,
         "vocab_size": spec.vocab_size,
         "tie_word_embeddings": False,
         "layer_types": ["full_attention"] * spec.num_layers,
@@ -44,9 +46,87 @@ def export_config(spec: DraftSpec) -> dict:
     }
 
 
-def export_drafter(spec: DraftSpec, state: dict, out_dir: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Writes the drafter `state` (a whole state dict) to out_dir atomically (a temporary directory
-    renamed into place)."""
+def serving_settings(spec: DraftSpec, draft: str = "EXPORT_DIR", target: str = "TARGET") -> dict:
+    """What each engine must be told to serve this drafter as it was trained. vLLM drafts
+    `num_speculative_tokens` mask slots after the bonus token and does not read block_size, so it must be
+    B - 1, given explicitly (a wrong value silently serves another block); it infers the method only from
+    "dflash" in the draft's path. SGLang reads block_size from config.json."""
+    k = spec.block_size - 1
+    vllm_spec = {"method": "dflash", "model": draft, "num_speculative_tokens": k}
+    return {
+        "vllm": {"speculative_config": vllm_spec,
+                 "command": f"vllm serve {target} --speculative-config '{json.dumps(vllm_spec)}'"},
+        "sglang": {"speculative_algorithm": "DFLASH", "speculative_draft_model_path": draft,
+                   "speculative_dflash_block_size": spec.block_size,
+                   "command": f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
+                              f"--speculative-draft-model-path {draft} --speculative-dflash-block-size {spec.block_size}"},
+    }
+
+
+def model_card(spec: DraftSpec, facts: dict | None = None) -> str:
+    """README.md of an export. `facts`: target (a path or name), data (samples, tokens, epochs, steps),
+    tau (the end-of-training measurement), as far as known."""
+    facts = facts or {}
+    target = facts.get("target") or "TARGET"
+    serve = serving_settings(spec, "EXPORT_DIR", target)
+    data = facts.get("data") or {}
+    tau = facts.get("tau")
+    rows = [("target", f"`{target}`: {spec.num_target_layers} layers, hidden size {spec.hidden_size}, "
+                       f"vocabulary {spec.vocab_size}, context {spec.max_position_embeddings}"),
+            ("block size", f"{spec.block_size} (the bonus token + {spec.block_size - 1} drafted)"),
+            ("mask token id", str(spec.mask_token_id)),
+            ("target layer ids", f"{list(spec.target_layer_ids)} (ascending, as the engines concatenate them)"),
+            ("drafter", f"{spec.num_layers} layers, {spec.num_heads} / {spec.num_kv_heads} heads x {spec.head_dim}")]
+    if data:
+        rows.append(("data", ", ".join(f"{k} {v:,}" if isinstance(v, int) else f"{k} {v}" for k, v in data.items())))
+    rows.append(("tau at the end of training", f"{tau:.3f}" if isinstance(tau, (int, float)) else "not measured"))
+    table = "\n".join(f"| {k} | {v} |" for k, v in rows)
+    v, s = serve["vllm"], serve["sglang"]
+    return f"""# DFlash drafter (dflash_dist export)
+
+A block-diffusion speculative-decoding drafter in the z-lab DFlash format (`config.json`,
+`model.safetensors`: decoder layers, `fc`, `hidden_norm`, `norm`; the embedding and LM head are the
+target's). Replace EXPORT_DIR by this directory's path.
+
+| | |
+|---|---|
+{table}
+
+## Serve it with vLLM
+
+`num_speculative_tokens` must be {spec.block_size - 1} (block size - 1): vLLM does not read `block_size`.
+
+```bash
+{v["command"]}
+```
+
+```python
+from vllm import LLM
+llm = LLM(model="{target}", speculative_config={json.dumps(v["speculative_config"])})
+```
+
+## Serve it with SGLang
+
+SGLang reads the block size ({spec.block_size}) from `config.json`; the flag below only makes it explicit.
+
+```bash
+{s["command"]}
+```
+"""
+
+
+def write_model_card(out_dir: Path, spec: DraftSpec, facts: dict | None = None) -> Path:
+    path = Path(out_dir) / "README.md"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(model_card(spec, facts))
+    os.replace(tmp, path)
+    return path
+
+
+def export_drafter(spec: DraftSpec, state: dict, out_dir: Path, dtype: torch.dtype = torch.bfloat16,
+                   facts: dict | None = None) -> Path:
+    """Writes the drafter `state` (a whole state dict) and its model card (`facts`: see `model_card`) to
+    out_dir atomically (a temporary directory renamed into place)."""
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -56,6 +136,7 @@ def export_drafter(spec: DraftSpec, state: dict, out_dir: Path, dtype: torch.dty
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    write_model_card(tmp, spec, facts)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
@@ -69,7 +150,8 @@ def spec_from_export(cfg: dict) -> DraftSpec:
         num_layers=cfg["num_hidden_layers"], num_heads=cfg["num_attention_heads"],
         num_kv_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"], rope_theta=cfg["rope_theta"],
         rms_eps=cfg["rms_norm_eps"], block_size=cfg["block_size"], mask_token_id=dc["mask_token_id"],
-        target_layer_ids=tuple(dc["target_layer_ids"]), num_target_layers=cfg["num_target_layers"])
+        target_layer_ids=tuple(dc["target_layer_ids"]), num_target_layers=cfg["num_target_layers"],
+        max_position_embeddings=cfg.get("max_position_embeddings", 40960))
 
 
 def load_drafter(path: Path, dtype: torch.dtype = torch.float32) -> DFlashDrafter:

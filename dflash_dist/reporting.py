@@ -17,7 +17,7 @@ import torch
 from dflash_dist.balance import balance_advice, format_advice
 from dflash_dist.config import to_dict
 from dflash_dist.data.dataset import preparation_skips
-from dflash_dist.export import export_drafter
+from dflash_dist.export import export_drafter, write_model_card
 from dflash_dist.fsutil import write_json
 from dflash_dist.models import attention
 from dflash_dist.monitor import Monitor, Progress, Sinks
@@ -190,7 +190,15 @@ class Reporter(NullReporter):
         bad = [k for k, v in model_state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
         if bad:
             raise FloatingPointError(f"refusing to export non-finite weights ({', '.join(bad[:3])})")
-        return export_drafter(self.run.spec, model_state, self.run_dir / "export")
+        return export_drafter(self.run.spec, model_state, self.run_dir / "export", facts=self.card_facts())
+
+    def card_facts(self, tau: dict | None = None) -> dict:
+        """What the export's model card says of the run: the target, the data seen, the trained tau."""
+        tc, t = self.run.cfg.model.target, self.state.totals
+        return {"target": tc.path or f"built-in tiny target (model.target.seed={tc.seed})",
+                "data": {"samples": t.samples, "tokens": t.tokens, "epochs": self.run.cfg.train.epochs,
+                         "optimizer steps": t.steps},
+                "tau": (tau or {}).get("tau")}
 
     def finish(self, digest: str, checkpoint: Path | None, exported: Path | None, tau_trained: dict | None) -> dict:
         run, t, h, p = self.run, self.state.totals, self.state.history, self.progress
@@ -220,6 +228,8 @@ class Reporter(NullReporter):
             summary["balance"] = balance_advice(tc, dc, t.batches, lay.local_world_size, lay.drafters_per_node,
                                                 summary["wait_targets"], summary["wait_drafters"])
             log.info("%s", format_advice(summary["balance"]))
+        if exported is not None:  # the card as exported lacked the tau measured since
+            write_model_card(exported, run.spec, self.card_facts(tau_trained))
         write_json(self.run_dir / "summary.json", summary)
         self.sinks.write({"kind": "summary", **summary}, console=False)
         log.info("summary: %s", ", ".join(f"epoch {e['epoch']}: {e['batches']} batches" for e in h.epochs))

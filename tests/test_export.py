@@ -46,7 +46,7 @@ def batch(target, spec):
 def test_files_keys_and_config(parts, tmp_path):
     _, target, spec, drafter = parts
     out = export_drafter(drafter.spec, drafter.state_dict(), tmp_path / "draft", dtype=torch.float32)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
     tensors = load_file(str(out / "model.safetensors"))
     expected = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
         f"layers.{i}.{k}" for i in range(spec.num_layers) for k in LAYER_KEYS}
@@ -61,6 +61,45 @@ def test_files_keys_and_config(parts, tmp_path):
                                     "target_layer_ids": list(spec.target_layer_ids)}
     assert cfg["tie_word_embeddings"] is False and cfg["num_hidden_layers"] == 2
     assert cfg["torch_dtype"] == "float32" and cfg["vocab_size"] == target.vocab_size
+    assert cfg["max_position_embeddings"] == target.max_position_embeddings
+
+
+def test_the_export_carries_the_targets_context_and_a_card_that_says_how_to_serve_it(parts, tmp_path):
+    _, target, spec, drafter = parts
+    from dataclasses import replace
+    long = replace(spec, max_position_embeddings=131072)  # e.g. a Llama-3.3-70B target
+    facts = {"target": "/models/Llama-3.3-70B", "data": {"samples": 902000, "epochs": 6}, "tau": 6.5}
+    out = export_drafter(long, drafter.state_dict(), tmp_path / "draft", facts=facts)
+    assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 131072
+    assert load_drafter(out).spec.max_position_embeddings == 131072
+    card = (out / "README.md").read_text()
+    assert '"method": "dflash"' in card and '"num_speculative_tokens": 7' in card  # B - 1, B = 8
+    assert "vllm serve /models/Llama-3.3-70B --speculative-config" in card
+    assert ("--speculative-algorithm DFLASH --speculative-draft-model-path EXPORT_DIR "
+            "--speculative-dflash-block-size 8") in card
+    for fact in ("/models/Llama-3.3-70B", "context 131072", f"mask token id | {spec.mask_token_id}",
+                 f"{list(spec.target_layer_ids)}", "samples 902,000", "| tau at the end of training | 6.500 |"):
+        assert fact in card, fact
+
+
+def test_layer_ids_must_be_strictly_increasing_and_inside_the_target():
+    from dflash_dist.config import ConfigError
+    target = build_target(load_config(), CPU)  # 6 layers: ids 0..4
+    for ids, why in (("[3,1,2]", "strictly increasing"), ("[1,1,2]", "strictly increasing"),
+                     ("[1,2,9]", "outside the target's layers"), ("[-1,2]", "outside the target's layers"),
+                     ("[1,5]", "the target's last layer")):
+        with pytest.raises(ConfigError, match="model.draft.target_layer_ids") as e:
+            draft_spec(load_config(overrides=[f"model.draft.target_layer_ids={ids}"]), target)
+        assert why in str(e.value), (ids, str(e.value))
+    assert draft_spec(load_config(overrides=["model.draft.target_layer_ids=[0,2,4]"]), target).target_layer_ids == (0, 2, 4)
+
+
+def test_the_default_layer_ids_round_as_the_engines_do():
+    from dflash_dist.config import default_target_layer_ids
+    assert default_target_layer_ids(94, 5) == [1, 24, 46, 68, 91]  # half to even: 68.5 -> 68
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(80, 5) == [1, 20, 39, 58, 77]
+    assert default_target_layer_ids(36, 1) == [18]
 
 
 def test_round_trip_reproduces_logits_exactly(parts, tmp_path):

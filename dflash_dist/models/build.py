@@ -67,7 +67,8 @@ def draft_spec(cfg: Config, target) -> DraftSpec:
         intermediate_size=d.intermediate_size or target.intermediate_size, num_layers=d.num_layers,
         num_heads=heads, num_kv_heads=kv, head_dim=d.head_dim or target.head_dim,
         rope_theta=target.rope_theta, rms_eps=target.rms_eps, block_size=cfg.objective.block_size,
-        mask_token_id=mask, target_layer_ids=tuple(ids), num_target_layers=L)
+        mask_token_id=mask, target_layer_ids=tuple(ids), num_target_layers=L,
+        max_position_embeddings=target.max_position_embeddings)
 
 
 def build_drafter(spec: DraftSpec, target, seed: int, device: torch.device,

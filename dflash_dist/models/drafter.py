@@ -34,6 +34,9 @@ class DraftSpec:
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
     num_target_layers: int
+    # The target's context length, exported as the drafter's: the engines feed the drafter positions up
+    # to the target's, and SGLang refuses a draft with a shorter context (docs/serving.md).
+    max_position_embeddings: int = 40960
 
 
 class DraftLayer(DecoderLayer):

@@ -33,6 +33,11 @@ def read_config(path: str | Path) -> dict:
     return json.loads(f.read_text())
 
 
+def context_length(value) -> int:
+    """A target's max_position_embeddings; a config without one gets a Qwen3's (40960)."""
+    return int(value) if value else 40960
+
+
 def shape_facts(cfg: dict, where: str = "config.json") -> dict:
     """The facts a drafter (and the memory model) needs from a Llama-family config.json."""
     def need(key: str):
@@ -45,7 +50,8 @@ def shape_facts(cfg: dict, where: str = "config.json") -> dict:
                  num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
                  head_dim=int(cfg.get("head_dim") or need("hidden_size") // heads),
                  intermediate_size=int(need("intermediate_size")),
-                 rms_eps=float(cfg.get("rms_norm_eps", 1e-6)), tied=bool(cfg.get("tie_word_embeddings", False)))
+                 rms_eps=float(cfg.get("rms_norm_eps", 1e-6)), tied=bool(cfg.get("tie_word_embeddings", False)),
+                 max_position_embeddings=context_length(cfg.get("max_position_embeddings")))
     # transformers 5 keeps rope_theta in rope_parameters; 4.x at the top level.
     rope = cfg.get("rope_parameters")
     theta = rope.get("rope_theta") if isinstance(rope, dict) else None
@@ -125,7 +131,7 @@ class HeadOnlyTarget(nn.Module):
                  default_mask_token_id: int | None = None, info: dict | None = None):
         super().__init__()
         for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                    "intermediate_size", "rope_theta", "rms_eps"):
+                    "intermediate_size", "rope_theta", "rms_eps", "max_position_embeddings"):
             setattr(self, key, facts[key])
         self.embed_tokens, self.lm_head = embed_tokens, lm_head
         self.default_mask_token_id = default_mask_token_id

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dflash_dist.models.attention import packed_causal_attention
+from dflash_dist.models.head import context_length
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,7 @@ def _set_shape(obj, config) -> None:
     obj.intermediate_size = cfg.intermediate_size
     obj.rope_theta = _rope_theta(cfg)
     obj.rms_eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
+    obj.max_position_embeddings = context_length(getattr(cfg, "max_position_embeddings", None))
     obj.num_experts = int(getattr(cfg, "num_experts", 0) or 0)  # 0: a dense model
 
 

@@ -99,6 +99,7 @@ class TinyQwen3(nn.Module):
         super().__init__()
         self.vocab_size, self.hidden_size, self.num_layers = tc.vocab_size, tc.hidden_size, tc.num_layers
         self.head_dim, self.rope_theta, self.rms_eps = tc.head_dim, tc.rope_theta, tc.rms_eps
+        self.max_position_embeddings = 40960  # RoPE is computed per position: any length; a Qwen3's value
         self.num_heads, self.num_kv_heads, self.intermediate_size = tc.num_heads, tc.num_kv_heads, tc.intermediate_size
         self.embed_tokens = nn.Embedding(tc.vocab_size, tc.hidden_size)
         self.layers = nn.ModuleList(
