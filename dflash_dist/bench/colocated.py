@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from dflash_dist.bars import track
 from dflash_dist.bench.jobs import run_job, write_json
 
 COMMON = ["train.epochs=1", "data.synthetic.num_samples=1500", "monitor.interval_s=5"]
@@ -18,7 +19,7 @@ def main(argv=None) -> None:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     rows = []
-    for mode in ("disaggregated", "colocated"):
+    for mode in track(("disaggregated", "colocated"), "colocated: training jobs", "job", every_s=0):
         s = run_job(args.nproc, COMMON + [f"roles.mode={mode}"] + args.overrides)
         rows.append({"mode": mode, "tok_per_s": s["tok_per_s"], "time_s": s["time_s"], "steps": s["steps"],
                      "final_loss": s["final_loss"], "targets": s["num_targets"], "drafters": s["num_drafters"]})

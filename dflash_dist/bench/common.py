@@ -8,6 +8,8 @@ from typing import Callable
 
 import torch
 
+from dflash_dist.bars import track
+
 
 def sync(dev: torch.device) -> None:
     """Wait for the device's queued work (CUDA); a no-op on CPU, where every op has finished on return."""
@@ -34,7 +36,7 @@ def time_interleaved(fns: dict[str, Callable[[], object]], reps: int, warmup: in
     and noisy, so no path always runs first or last)."""
     names = list(fns)
     times: dict[str, list[float]] = {k: [] for k in names}
-    for i in range(warmup + reps):
+    for i in track(range(warmup + reps), f"timing {', '.join(names)}", "rep", leave=False):
         for k in names[i % len(names):] + names[:i % len(names)]:
             sync(dev)
             t0 = time.perf_counter()

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_dist.bars import track
 from dflash_dist.config import PlanConfig
 from dflash_dist.data.synthetic import chat_lengths
 from dflash_dist.plan import PACKINGS, BatchPlan, build_plan
@@ -119,7 +120,7 @@ def run(samples: int, epochs: int, token_budget: int, max_seqs: int, seed: int, 
                                            "p99": float(np.percentile(lengths, 99)), "max": int(lengths.max())},
                  "plan": [], "next_fit": [], "sorted": [], "padded": []}
     plans, shuffles = [], []
-    for e in range(epochs):
+    for e in track(range(epochs), f"plan: {samples:,} samples, {packing} and next_fit", "epoch"):
         plan, wall, cpu = timed(build_plan, lengths, supervised, epoch=e, packing=packing, **kw)
         plans.append(plan)
         res["plan"].append({"epoch": e, "build_s": wall, "build_cpu_s": cpu,

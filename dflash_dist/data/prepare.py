@@ -41,6 +41,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from dflash_dist.bars import Bar
 from dflash_dist.data.disk import DatasetWriter
 
 log = logging.getLogger(__name__)
@@ -268,8 +269,8 @@ def prepare(tokenizer_dir: str, input_path: str, output_dir: str, opts: Options,
     tok = load_tokenizer(tokenizer_dir)
     skipped = dict.fromkeys(SKIP_REASONS, 0)
     kept = lines = 0
-    total_bytes, done_bytes = max(src.stat().st_size, 1), 0
-    t0 = last = time.monotonic()
+    total_bytes = max(src.stat().st_size, 1)
+    t0 = time.monotonic()
     init = (tokenizer_dir, opts)
     # fork: workers inherit the imported modules (importing transformers costs seconds per process)
     # and load their own tokenizer; the parent has not run the tokenizer's thread pool, so fork is safe.
@@ -278,9 +279,10 @@ def prepare(tokenizer_dir: str, input_path: str, output_dir: str, opts: Options,
     if pool is None:
         _init_worker(*init)
     try:
-        with DatasetWriter(output_dir, vocab_size=len(tok), overwrite=overwrite) as writer:
+        with DatasetWriter(output_dir, vocab_size=len(tok), overwrite=overwrite) as writer, \
+                Bar(total_bytes, f"prepare {src.name}", "B", unit_scale=True, every_s=progress_s, logger=log) as bar:
             for block in _blocks(src, max(1, workers) * 512):
-                done_bytes += sum(len(raw) for _, raw in block)
+                block_bytes = sum(len(raw) for _, raw in block)
                 results = pool.imap(_process, block, chunksize=32) if pool else map(_process, block)
                 for line_no, reason, payload in results:
                     lines += 1
@@ -294,12 +296,7 @@ def prepare(tokenizer_dir: str, input_path: str, output_dir: str, opts: Options,
                         log.log(level, "%s:%d: skipped (%s): %s", src, line_no, reason, payload)
                         if skipped[reason] == LOGGED_PER_REASON:
                             log.warning("further '%s' lines are logged at DEBUG level only", reason)
-                now = time.monotonic()
-                if now - last >= progress_s:
-                    last = now
-                    log.info("prepare: %5.1f%% of %s, %d lines (%.0f/s), %d kept, %d skipped",
-                             100 * done_bytes / total_bytes, src.name, lines, lines / (now - t0), kept,
-                             lines - kept)
+                bar.update(block_bytes, lines=lines, kept=kept, skipped=lines - kept)
             if kept == 0:
                 raise ValueError(f"{src}: no usable sample in {lines} lines (skipped: {skipped})")
             meta = {

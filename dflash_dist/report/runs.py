@@ -1,0 +1,123 @@
+"""A run as the report sees it: the records of its `metrics.jsonl` by kind, and its `summary.json`.
+
+Nothing else of a run directory is read, so a report can be made anywhere the two files are copied to,
+during a run or after it. A resumed run appends to the same `metrics.jsonl`: every process starts with a
+`plan` record, its times restart at 0 and its first steps may repeat steps that the one before it trained
+after the checkpoint it resumed from. `RunData` lays the processes end to end on one time axis and keeps,
+of a step recorded twice, the later record (the one whose weights went on).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class ReportInputError(ValueError):
+    """A run directory or one of its files cannot be read; the message names the file (and line)."""
+
+
+@dataclass
+class RunData:
+    label: str
+    path: Path
+    records: list[dict]  # every record of metrics.jsonl in file order, with `_t`: time on the joined axis
+    summary: dict | None  # summary.json, None while the run has not finished
+    notes: list[str] = field(default_factory=list)  # what the reader should know about this run's files
+
+    def kind(self, kind: str) -> list[dict]:
+        return [r for r in self.records if r.get("kind", "progress") == kind]
+
+    def steps(self) -> list[dict]:
+        """One `step` record per optimizer step, in step order; of a step recorded twice, the later."""
+        by_step = {r["step"]: r for r in self.kind("step")}
+        return [by_step[s] for s in sorted(by_step)]
+
+    def plan(self) -> dict:
+        """The last process's `plan` record (counts, packing, budgets), or {} for a run before it existed."""
+        plans = self.kind("plan")
+        return plans[-1] if plans else {}
+
+    def epoch_plans(self) -> dict[int, dict]:
+        """epoch -> its `epoch_plan` record (batches as broadcast, as counted at start, batch shape)."""
+        return {r["epoch"]: r for r in self.kind("epoch_plan")}
+
+    def epoch_ends(self) -> dict[int, dict]:
+        return {r["epoch"]: r for r in self.kind("epoch_end")}
+
+    def state(self) -> str:
+        """How the run ended, as far as its files tell."""
+        if self.summary is not None:
+            return "finished"
+        ends = [r for r in self.records if r.get("kind") in ("stopped", "diverged", "summary")]
+        last = self.records[-1] if self.records else {}
+        if ends and ends[-1] is last:
+            return {"stopped": "stopped on request (resumable)", "diverged": "diverged (non-finite loss)"}.get(
+                last["kind"], last["kind"])
+        return f"running, or ended without a summary (last record: step {last.get('step', 0)})"
+
+
+def load_run(path: Path, label: str | None = None) -> RunData:
+    """Read one run directory. Raises ReportInputError naming the file (and line) that cannot be read."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ReportInputError(f"{path}: not a directory (give a run's train.run_dir)")
+    metrics = path / "metrics.jsonl"
+    if not metrics.is_file():
+        raise ReportInputError(f"{metrics}: not found (a run writes it on rank 0 from its first step)")
+    notes: list[str] = []
+    records = _read_jsonl(metrics, notes)
+    summary = None
+    summary_path = path / "summary.json"
+    if summary_path.is_file():
+        try:
+            summary = json.loads(summary_path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ReportInputError(f"{summary_path}: cannot be read as JSON: {exc}") from exc
+        if not isinstance(summary, dict):
+            raise ReportInputError(f"{summary_path}: expected a JSON object, found {type(summary).__name__}")
+    _join_times(records)
+    return RunData(label or path.resolve().name, path, records, summary, notes)
+
+
+def _read_jsonl(path: Path, notes: list[str]) -> list[dict]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ReportInputError(f"{path}: cannot be read: {exc}") from exc
+    lines = text.split("\n")
+    records = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if n == len(lines):  # no newline after it: the run is writing it now, or was killed mid-line
+                notes.append(f"{path.name}: line {n} is incomplete (a run still writing, or killed) and was not read")
+                log.warning("%s:%d: incomplete last line not read", path, n)
+                continue
+            raise ReportInputError(f"{path}:{n}: not a JSON record: {exc}") from exc
+        if not isinstance(rec, dict):
+            raise ReportInputError(f"{path}:{n}: expected a JSON object, found {type(rec).__name__}")
+        records.append(rec)
+    return records
+
+
+def _join_times(records: list[dict]) -> None:
+    """`_t`: each record's time on one axis over the run's processes (each starts its clock at 0); a
+    process is known by its `plan` record, or by a clock that went back."""
+    offset = last = 0.0
+    for r in records:
+        t = r.get("time")
+        if r.get("kind") == "plan":
+            offset = last
+        if isinstance(t, (int, float)) and math.isfinite(t):
+            if t + offset < last - 1.0:  # a process without a plan record (older runs) restarted its clock
+                offset = last
+            r["_t"] = t + offset
+            last = r["_t"]
