@@ -5,6 +5,10 @@ batch of ragged prompts at once with a KV cache (each row at its own position); 
 gets one batch per prompt length (no padding, so no attention mask) through its own cache
 (`HFTarget.greedy`); anything else recomputes the sequence at every step through `capture`
 (`recompute_greedy`), which is also the reference the others are tested against.
+
+Speculative decoding needs a cache of one sequence that grows by a whole block and is cut back to the
+accepted tokens: `sequence_cache` gives the target's (`TinyCache`, `HFCache` on transformers'
+DynamicCache), or `RecomputeCache`, which recomputes everything (the reference).
 """
 from __future__ import annotations
 
@@ -122,3 +126,102 @@ def greedy(target, prompts: list[torch.Tensor], counts: list[int]) -> list[torch
         for r, row in zip(rows, gen):
             result[r] = row[:counts[r]]
     return result
+
+
+# -- One sequence on a KV cache that can be extended by several tokens and cut back (speculative decoding) --
+
+class TinyCache:
+    """The built-in target's KV cache of one sequence: `extend` runs new tokens after the cached ones and
+    returns their (features at `layer_ids`, logits); `crop(n)` keeps the first n positions (the slots
+    past n are simply overwritten by the next `extend`). The same pre-norm layer as DecoderLayer."""
+
+    def __init__(self, model: TinyQwen3, layer_ids, capacity: int):
+        dev, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
+        self.model, self.layer_ids, self.length = model, list(layer_ids), 0
+        self.cos, self.sin = rope_cos_sin(torch.arange(capacity, device=dev), model.head_dim, model.rope_theta, dtype)
+        shape = (1, model.num_kv_heads, capacity, model.head_dim)
+        self.K = [torch.zeros(shape, dtype=dtype, device=dev) for _ in model.layers]
+        self.V = [torch.zeros(shape, dtype=dtype, device=dev) for _ in model.layers]
+
+    @torch.no_grad()
+    def extend(self, ids: list[int], keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(features (n, F), logits of the last `keep` rows (all when 0))."""
+        m, p0, n = self.model, self.length, len(ids)
+        if p0 + n > self.cos.shape[0]:
+            raise ValueError(f"cache of {self.cos.shape[0]} positions cannot take {p0 + n}")
+        dev = self.cos.device
+        x = m.embed_tokens(torch.tensor([ids], dtype=torch.long, device=dev))
+        cos, sin = self.cos[p0:p0 + n], self.sin[p0:p0 + n]
+        # Query i (position p0 + i) sees every cached slot and the new ones up to itself.
+        see = torch.arange(p0 + n, device=dev)[None, :] <= (p0 + torch.arange(n, device=dev))[:, None]
+        wanted, captured = set(self.layer_ids), {}
+        for i, (layer, K, V) in enumerate(zip(m.layers, self.K, self.V)):
+            q, k, v = _qkv(layer, x, cos, sin)
+            K[:, :, p0:p0 + n], V[:, :, p0:p0 + n] = k, v
+            attn = F.scaled_dot_product_attention(q, K[:, :, :p0 + n], V[:, :, :p0 + n], attn_mask=see,
+                                                  enable_gqa=m.num_heads != m.num_kv_heads)
+            x = _finish(layer, x, attn)
+            if i in wanted:
+                captured[i] = x[0]
+        self.length = p0 + n
+        return torch.cat([captured[i] for i in self.layer_ids], dim=-1), m.lm_head(m.norm(x[0, -keep:]))
+
+    def crop(self, n: int) -> None:
+        self.length = n
+
+
+class HFCache:
+    """The same for a transformers target, on the model's own DynamicCache (`crop` is its API). Features
+    are the model's hidden_states[i + 1] (draft_spec never picks the last layer, whose state
+    transformers returns after the final norm), i.e. what `capture` returns."""
+
+    def __init__(self, target, layer_ids):
+        import inspect
+        from transformers import DynamicCache
+        self.target, self.layer_ids, self.cache = target, list(layer_ids), DynamicCache()
+        # transformers 5 renamed past_key_values to cache; take whichever this version has.
+        self.kw = "cache" if "cache" in inspect.signature(target.hf.forward).parameters else "past_key_values"
+
+    @torch.no_grad()
+    def extend(self, ids: list[int], keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        dev = self.target.embed_tokens.weight.device
+        out = self.target.hf(input_ids=torch.tensor([ids], dtype=torch.long, device=dev), use_cache=True,
+                             output_hidden_states=True, logits_to_keep=keep, **{self.kw: self.cache})
+        feats = torch.cat([out.hidden_states[i + 1][0] for i in self.layer_ids], dim=-1)
+        return feats, out.logits[0]
+
+    def crop(self, n: int) -> None:
+        drop = self.cache.get_seq_length() - n
+        if drop > 0:
+            self.cache.crop(-drop)  # a negative count removes that many last positions
+
+
+class RecomputeCache:
+    """No cache at all, for any target with `capture`: every `extend` recomputes the whole sequence (the
+    reference the cached ones are tested against)."""
+
+    def __init__(self, target, layer_ids):
+        self.target, self.layer_ids, self.ids = target, list(layer_ids), []
+
+    @torch.no_grad()
+    def extend(self, ids: list[int], keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        self.ids += list(ids)
+        dev = self.target.embed_tokens.weight.device
+        t = torch.tensor(self.ids, dtype=torch.long, device=dev)
+        feats, logits = self.target.capture(t, torch.tensor([0, len(t)], device=dev), torch.arange(len(t), device=dev),
+                                            self.layer_ids, need_logits=True)
+        return feats[-len(ids):], logits[-(keep or len(ids)):]
+
+    def crop(self, n: int) -> None:
+        del self.ids[n:]
+
+
+def sequence_cache(target, layer_ids, capacity: int, recompute: bool = False):
+    """The fastest exact cache this target has (`recompute=True`: the reference)."""
+    if recompute:
+        return RecomputeCache(target, layer_ids)
+    if isinstance(target, TinyQwen3):
+        return TinyCache(target, layer_ids, capacity)
+    if hasattr(target, "hf"):
+        return HFCache(target, layer_ids)
+    return RecomputeCache(target, layer_ids)

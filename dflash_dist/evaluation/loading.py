@@ -1,0 +1,71 @@
+"""The export and the target it is evaluated against, with every defect named by file (exit 2)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from dflash_dist.evaluation.prompts import EvalInputError
+
+_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+         "num_key_value_heads", "head_dim", "rope_theta", "rms_norm_eps", "block_size", "num_target_layers")
+
+
+def read_export_config(draft_dir: str | Path) -> dict:
+    """config.json of a z-lab-format export, checked for what the drafter and vLLM read from it."""
+    path = Path(draft_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise EvalInputError(f"--draft {draft_dir}: no config.json (an export directory of dflash_dist.export)") from exc
+    except (OSError, ValueError) as exc:
+        raise EvalInputError(f"{path}: not readable JSON ({exc})") from exc
+    if not isinstance(cfg, dict):
+        raise EvalInputError(f"{path}: expected a JSON object")
+    missing = [k for k in _KEYS if k not in cfg]
+    dc = cfg.get("dflash_config")
+    if not isinstance(dc, dict) or not {"mask_token_id", "target_layer_ids"} <= dc.keys():
+        missing.append("dflash_config {mask_token_id, target_layer_ids}")
+    if missing:
+        raise EvalInputError(f"{path}: missing {', '.join(missing)} (not a DFlash export)")
+    return cfg
+
+
+def load_drafter_checked(draft_dir: str | Path, dtype: torch.dtype = torch.float32):
+    from safetensors import SafetensorError
+
+    from dflash_dist.export import load_drafter
+    read_export_config(draft_dir)
+    weights = Path(draft_dir) / "model.safetensors"
+    if not weights.is_file():
+        raise EvalInputError(f"{weights}: missing")
+    try:
+        return load_drafter(Path(draft_dir), dtype)
+    except (SafetensorError, OSError, RuntimeError, KeyError, ValueError, TypeError) as exc:
+        # A truncated or foreign file: safetensors' header error, or load_state_dict's missing/unexpected keys.
+        raise EvalInputError(f"{weights}: cannot load the drafter weights ({type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
+
+
+def check_fit(drafter, target, draft_dir) -> None:
+    s = drafter.spec
+    want = {"vocab_size": target.vocab_size, "hidden_size": target.hidden_size, "num_target_layers": target.num_layers}
+    bad = {k: (getattr(s, k), v) for k, v in want.items() if getattr(s, k) != v}
+    if bad:
+        raise EvalInputError(f"drafter {draft_dir} does not fit the target: " +
+                             ", ".join(f"{k} {a} (drafter) != {b} (target)" for k, (a, b) in bad.items()))
+    if not 0 <= s.mask_token_id < target.vocab_size or max(s.target_layer_ids) >= target.num_layers - 1:
+        raise EvalInputError(f"{Path(draft_dir) / 'config.json'}: dflash_config {{mask_token_id {s.mask_token_id}, "
+                             f"target_layer_ids {list(s.target_layer_ids)}}} outside the target's vocabulary or layers")
+
+
+def load_for_eval(draft_dir: str | Path, cfg, device: torch.device):
+    """(target, drafter) ready to decode: the export must fit the target it is evaluated against."""
+    from dflash_dist.models.build import build_target
+    drafter = load_drafter_checked(draft_dir)
+    target = build_target(cfg, device)
+    check_fit(drafter, target, draft_dir)
+    drafter = drafter.to(device=device, dtype=target.embed_tokens.weight.dtype).eval()
+    drafter.attach_target_head(target.embed_tokens, target.lm_head)
+    return target, drafter

@@ -1,0 +1,129 @@
+"""Greedy draft-then-verify decoding of one prompt on the target's KV cache (the hf engine's decoder).
+
+One step: the last committed token is the anchor; the drafter sees the target's features of every
+position before it and proposes the B-1 tokens after it in one forward; the target runs the anchor and
+the draft on its cache in one forward (the verify); the longest draft prefix equal to the target's own
+greedy choices is accepted, plus the target's token at the first disagreement (the bonus, the next
+anchor); the cache is cut back to the committed positions, whose features become the drafter's new
+context rows. So the output is token for token the target's greedy output, and each step commits
+1..B tokens (its acceptance). The same loop on `RecomputeCache` is the full-recompute reference.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from dflash_dist.decode import sequence_cache
+
+
+@dataclass
+class Decoded:
+    tokens: list[int]  # the new tokens, cut after a stop token or at max_new_tokens
+    seconds: float  # wall time of the whole decode (prefill included)
+    accepted: list[int] = field(default_factory=list)  # tokens committed by each verify step (1..B)
+
+
+class ContextDrafter:
+    """A DFlashDrafter whose fused context rows (fc + norm of the target features) are kept between steps:
+    each committed position's row is computed once, as the engines do."""
+
+    def __init__(self, drafter):
+        self.drafter, self.ctx = drafter, None
+
+    def add(self, feats: torch.Tensor) -> None:
+        rows = self.drafter.context(feats)
+        self.ctx = rows if self.ctx is None else torch.cat([self.ctx, rows])
+
+    def propose(self, seq: Sequence[int]) -> list[int]:
+        d, anchor, dev = self.drafter, len(seq) - 1, self.ctx.device
+        ids = torch.tensor(list(seq), dtype=torch.long, device=dev)
+        hidden = d.draft_hidden(self.ctx[:anchor], ids, torch.arange(anchor + 1, device=dev),
+                                torch.tensor([anchor], device=dev), torch.zeros(1, dtype=torch.long, device=dev))
+        return d.lm_head(hidden.to(d.lm_head.weight.dtype))[0, 1:].argmax(-1).tolist()
+
+
+class FeatureDrafter:
+    """Any module with the drafter's call signature (tests' oracles): it gets the raw feature rows of the
+    whole prefix at every step, with a zero row for the anchor (never attended)."""
+
+    def __init__(self, drafter):
+        self.drafter, self.feats = drafter, None
+
+    def add(self, feats: torch.Tensor) -> None:
+        self.feats = feats if self.feats is None else torch.cat([self.feats, feats])
+
+    def propose(self, seq: Sequence[int]) -> list[int]:
+        anchor, dev = len(seq) - 1, self.feats.device
+        feats = torch.cat([self.feats[:anchor], self.feats.new_zeros(1, self.feats.shape[1])])
+        logits = self.drafter(feats, torch.tensor(list(seq), dtype=torch.long, device=dev),
+                              torch.tensor([0, anchor + 1], device=dev), torch.arange(anchor + 1, device=dev),
+                              torch.tensor([anchor], device=dev), torch.tensor([0, 1], device=dev))
+        return logits[0, 1:].argmax(-1).tolist()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _finished(new: list[int], max_new: int, stop: frozenset) -> int | None:
+    """Where the output ends (a stop token is kept), or None while it goes on."""
+    for i, t in enumerate(new[:max_new]):
+        if t in stop:
+            return i + 1
+    return max_new if len(new) >= max_new else None
+
+
+@torch.no_grad()
+def target_greedy(target, prompt: Sequence[int], max_new: int, stop: frozenset = frozenset(),
+                  recompute: bool = False) -> Decoded:
+    """The target alone, one token per forward on its cache: the reference output and the baseline time."""
+    dev = target.embed_tokens.weight.device
+    cache = sequence_cache(target, [0], len(prompt) + max_new + 1, recompute)
+    _sync(dev)
+    t0 = time.perf_counter()
+    _, logits = cache.extend(list(prompt), keep=1)
+    out: list[int] = []
+    while True:
+        out.append(int(logits[-1].argmax()))
+        if _finished(out, max_new, stop) is not None:
+            break
+        _, logits = cache.extend(out[-1:], keep=1)
+    _sync(dev)
+    return Decoded(out, time.perf_counter() - t0)
+
+
+@torch.no_grad()
+def speculative(target, drafter, prompt: Sequence[int], max_new: int, stop: frozenset = frozenset(),
+                recompute: bool = False) -> Decoded:
+    """Draft-then-verify greedy decoding (module docstring). A step's acceptance counts whole even when
+    the output is cut inside it (at max_new or a stop token), as the serving engines count it."""
+    if not prompt:
+        raise ValueError("speculative decoding needs a non-empty prompt")
+    spec = drafter.spec
+    B, dev = spec.block_size, target.embed_tokens.weight.device
+    draft = ContextDrafter(drafter) if hasattr(drafter, "draft_hidden") else FeatureDrafter(drafter)
+    cache = sequence_cache(target, spec.target_layer_ids, len(prompt) + max_new + B + 1, recompute)
+    _sync(dev)
+    t0 = time.perf_counter()
+    feats, logits = cache.extend(list(prompt), keep=1)
+    draft.add(feats)
+    seq = list(prompt) + [int(logits[-1].argmax())]  # the first anchor: the target's own next token
+    accepted: list[int] = []
+    while (end := _finished(seq[len(prompt):], max_new, stop)) is None:
+        anchor = len(seq) - 1
+        block = draft.propose(seq)
+        feats, logits = cache.extend([seq[-1]] + block)  # positions anchor .. anchor + B - 1
+        choice = logits.argmax(-1).tolist()  # the target's token for anchor + 1 .. anchor + B
+        a = 0
+        while a < B - 1 and block[a] == choice[a]:
+            a += 1
+        cache.crop(anchor + a + 1)  # the anchor and the accepted drafts stay; the rest was never said
+        draft.add(feats[:a + 1])
+        seq += block[:a] + [choice[a]]
+        accepted.append(a + 1)
+    _sync(dev)
+    return Decoded(seq[len(prompt):len(prompt) + end], time.perf_counter() - t0, accepted)
