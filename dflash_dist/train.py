@@ -28,7 +28,7 @@ from dflash_dist.plan import check_trainable, count_epochs
 from dflash_dist.run import RoleResult, RunSetup
 from dflash_dist.runlock import RunLock, check_writable
 from dflash_dist.stats import EXIT_DIVERGED, Diverged
-from dflash_dist.stop import EXIT_RESUME, StopFlag
+from dflash_dist.stop import EXIT_RESUME, StopFlag, record_exit_code
 from dflash_dist.topology import Layout, TopologyError
 
 log = logging.getLogger("dflash_dist.train")
@@ -229,4 +229,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(record_exit_code(main()))
