@@ -1,0 +1,271 @@
+"""Predicted seconds per batch of each role, the best target:drafter split and the job's throughput.
+
+    python -m dflash_dist.bench.cost --config configs/qwen3_8b.yaml [key=value ...] [--gpus-per-node 8]
+        [--nodes 1] [--device h200|h100] [--tflops X --mem-gbs Y ...] [--target-shape qwen3-8b]
+        [--json OUT] [--validate]
+
+The batches are those of the real plan (every epoch of the prepared dataset when data.path is set, else
+of the 902K-sample reference chat mix), as `bench.memory` reads them; `dflash_dist.cost` says what each
+term counts. One table: per role, TFLOP and predicted seconds of an average and of the worst batch; then
+one row per drafters_per_node (the drafters' lockstep step, the batches/s, the bottleneck), and the
+throughput and run time at the best and at the configured split.
+
+--validate runs the real target capture (`capture.capture_for_drafter`) and the real drafter step
+(`step.drafter_step` + AdamW) on CPU at two scaled shapes (`bench.memory.Scaled`, float32, sdpa path):
+one where the target's work dominates, one where the drafter's does. Times are the minimum over
+alternating repetitions (a shared machine's noise only adds). The CPU's own rates are measured first
+(a matmul at the shapes' width, an element-wise pass over a large tensor), and the ratio of drafter to
+target seconds that the model predicts with them is printed beside the measured one (target 0.7-1.4).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from dflash_dist import cost as C
+from dflash_dist.config import ConfigError, load_config
+from dflash_dist.model_shapes import TARGET_SHAPES, model_shapes
+
+# target-heavy: a 9-layer capture, 8 anchors per sequence, one draft layer; drafter-heavy: a 3-layer
+# capture, 48 anchors per sequence, two draft layers. Both: hidden 256, I = 3H, 4 sequences of 256 tokens
+# (short contexts: matmuls dominate, and a step takes about a second on a loaded 2-core machine).
+VALIDATE_SHAPES = {
+    "target-heavy": dict(target_layers=10, num_anchors=8, draft_layers=1),
+    "drafter-heavy": dict(target_layers=4, num_anchors=48, draft_layers=2),
+}
+VALIDATE_BASE = dict(vocab=2048, seqs=4, seq_len=256, prompt=32, anchor_chunk=0, loss_rows=2048)
+
+
+def rate_probes(sc, rows: int) -> tuple[dict, dict]:
+    """Probes of this CPU's rate for each kind of work at the scaled shape `sc` (bench.memory.Scaled), as
+    ({name: fn}, {name: units of work per call}): a (rows, H) x (H, I) matmul; causal SDPA over one
+    sequence without grad (the target's "ref" path); a masked SDPA call of the drafter's "sdpa" path
+    (SDPA_GROUP blocks against half a sequence of context) forward and backward; an in-place multiply
+    over 64 MiB (bytes read and written)."""
+    import torch
+    import torch.nn.functional as F
+
+    from dflash_dist.memory import SDPA_GROUP
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(rows, sc.hidden, generator=g), torch.randn(sc.hidden, sc.intermediate, generator=g)
+    h, hkv, d, L = sc.heads, sc.kv_heads, sc.head_dim, sc.seq_len
+    q, k, v = (torch.randn(1, n, L, d, generator=g) for n in (h, hkv, hkv))
+    nq = SDPA_GROUP * 16
+    keys = L // 2 + nq
+    qb = torch.randn(1, h, nq, d, generator=g, requires_grad=True)
+    kb, vb = (torch.randn(1, hkv, keys, d, generator=g, requires_grad=True) for _ in range(2))
+    mask = torch.rand(nq, keys, generator=g) < 0.6
+    x = torch.randn(1 << 24, generator=g)
+
+    def causal():
+        with torch.no_grad():
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    def block():
+        F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, enable_gqa=True).sum().backward()
+
+    fns = {"matmul": lambda: a @ b, "causal_attention": causal, "block_attention": block,
+           "memory": lambda: x.mul_(1.0)}
+    work = {"matmul": 2 * rows * sc.hidden * sc.intermediate, "causal_attention": 4 * h * d * L * (L + 1) / 2,
+            "block_attention": 3 * 4 * h * d * nq * keys, "memory": 2 * x.numel() * 4}
+    return fns, work
+
+
+def cpu_rates(seconds: dict, work: dict) -> tuple[C.Device, C.Efficiency]:
+    """The probes' rates as a Device whose peak is the matmul's, the other kinds as efficiencies."""
+    rate = {k: work[k] / seconds[k] for k in work}
+    mm = rate["matmul"]
+    return (C.Device("CPU (measured)", mm / 1e12, rate["memory"] / 1e9, 1.0, 1.0),
+            C.Efficiency(matmul=1.0, causal_attention=rate["causal_attention"] / mm,
+                         block_attention=rate["block_attention"] / mm, memory=1.0, link=1.0, network=1.0))
+
+
+def validate_shape(overrides: dict, reps: int = 3) -> dict:
+    """Predicted and measured seconds of one target capture and one drafter step (+ AdamW) at a scaled
+    shape on CPU, and their drafter:target ratios."""
+    import torch
+
+    from dflash_dist.bench.memory import Scaled, _batch
+    from dflash_dist.capture import capture_for_drafter
+    from dflash_dist.config import loss_gamma
+    from dflash_dist.memory import BatchShape, Sharding
+    from dflash_dist.models.build import build_drafter, draft_spec
+    from dflash_dist.models.qwen3 import TinyQwen3
+    from dflash_dist.objective import anchor_generator, draw_anchors
+    from dflash_dist.step import drafter_step
+
+    sc = Scaled(**(VALIDATE_BASE | overrides))
+    cfg = load_config(None, sc.overrides())
+    torch.manual_seed(0)
+    target = TinyQwen3(cfg.model.target).eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    batch = _batch(sc)
+    anchors, anchor_cu = draw_anchors(batch.loss_mask, batch.cu_seqlens, sc.num_anchors, anchor_generator(0, 0, 0))
+    starts = torch.repeat_interleave(batch.cu_seqlens[:-1], anchor_cu.diff())
+    shape = BatchShape(tokens=batch.num_tokens, seqs=batch.num_seqs, anchors=anchors.numel(),
+                       seq_lens=tuple(batch.cu_seqlens.diff().tolist()), seq_anchors=tuple(anchor_cu.diff().tolist()),
+                       anchor_pos=tuple((anchors - starts).tolist()))
+    spec = draft_spec(cfg, target)
+    layer_ids = list(spec.target_layer_ids)
+    model = build_drafter(spec, target, cfg.model.draft.seed, torch.device("cpu"), False)
+    opt = torch.optim.AdamW(list(model.parameters()), lr=1e-4)
+    gamma = loss_gamma(cfg.objective)
+    feats, labels = capture_for_drafter(target, batch, layer_ids, cfg.objective, torch.float32)
+
+    def run_target():
+        capture_for_drafter(target, batch, layer_ids, cfg.objective, torch.float32)
+
+    def run_drafter():
+        drafter_step(model, batch, feats, labels, anchors, anchor_cu, gamma=gamma, anchor_chunk=sc.anchor_chunk,
+                     loss_rows=sc.loss_rows)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    # The probes alternate with the two roles: the rates are measured under the same load as the steps.
+    probes, work = rate_probes(sc, batch.num_tokens)
+    measured = min_interleaved({"target": run_target, "drafter": run_drafter, **probes}, reps)
+    dev, eff = cpu_rates(measured, work)
+    shapes, prec = model_shapes(cfg), sc.precision
+    one = Sharding(drafters=1, drafters_per_target=1)
+    t = C.target_terms(shapes, prec, cfg, shape, one).seconds(dev, eff, exclude=("send",))
+    d = C.drafter_terms(shapes, prec, cfg, shape, sc.anchor_chunk, one).seconds(dev, eff)
+    return {"shape": {k: getattr(sc, k) for k in ("hidden", "target_layers", "draft_layers", "num_anchors", "seqs",
+                                                  "seq_len", "vocab")},
+            "batch": shape.summary(), "device": {"tflops": dev.tflops, "mem_gbs": dev.mem_gbs, "causal_attention": eff.causal_attention,
+                       "block_attention": eff.block_attention},
+            "predicted": {"target_s": t, "drafter_s": d, "ratio": d / t},
+            "measured": {"target_s": measured["target"], "drafter_s": measured["drafter"],
+                         "ratio": measured["drafter"] / measured["target"]}}
+
+
+def min_interleaved(fns: dict, reps: int) -> dict[str, float]:
+    """Minimum CPU seconds of this process per call of each fn over `reps` alternating rounds, after one
+    untimed round. CPU time, not wall time: on a shared machine the wall clock also counts the time other
+    processes hold the cores, which no model of this work can predict."""
+    best = {k: float("inf") for k in fns}
+    for i in range(reps + 1):
+        for k, fn in fns.items():
+            t0 = time.process_time()
+            fn()
+            if i:
+                best[k] = min(best[k], time.process_time() - t0)
+    return best
+
+
+def validate(reps: int = 3) -> dict[str, dict]:
+    return {name: validate_shape(o, reps) for name, o in VALIDATE_SHAPES.items()}
+
+
+def validate(reps: int = 3) -> dict[str, dict]:
+    return {name: validate_shape(o, reps) for name, o in VALIDATE_SHAPES.items()}
+
+
+# -- CLI ----------------------------------------------------------------------------------------------
+
+def _table(rows: list[list[str]]) -> str:
+    width = [max(len(x) for x in col) for col in zip(*rows)]
+    return "\n".join("  ".join(x.rjust(w) for x, w in zip(r, width)) for r in rows)
+
+
+def report(fc: C.Forecast) -> str:
+    """The roles, the splits and the throughput, as text."""
+    pb = fc.per_batch
+    roles = [["role", "TFLOP/batch", "s/batch", "worst TFLOP", "worst s"]] + [
+        [r, f"{v['tflop']:.0f}", f"{v['avg_s']:.3f}", f"{v['worst_tflop']:.0f}", f"{v['worst_s']:.3f}"]
+        for r, v in pb.items()]
+    splits = [["drafters/node", "target replicas", "drafter step s", "batches/s", "samples/s", "bottleneck"]] + [
+        [str(x["drafters_per_node"]) + (" (best)" if x is fc.best else "")
+         + (" (config)" if x["drafters_per_node"] == fc.configured else ""),
+         str(x["target_replicas_per_node"]), f"{x['drafter_step_s']:.3f}", f"{x['batches_per_s']:.3f}",
+         f"{x['batches_per_s'] * fc.ps.samples_per_batch:.2f}", x["bottleneck"]] for x in fc.splits]
+    lines = [_table(roles), "", _table(splits), ""]
+    for label, d in (("best", fc.best["drafters_per_node"]), ("configured", fc.configured)):
+        if d is None or d not in [x["drafters_per_node"] for x in fc.splits]:
+            continue
+        t = fc.throughput(d)
+        lines.append(f"{label} roles.drafters_per_node={d}: {t['samples_per_s']:.2f} samples/s, "
+                     f"{t['tokens_per_s']:,.0f} tokens/s, useful-FLOP utilisation {100 * t['mfu']:.1f}%, "
+                     f"{fc.ps.batches:,} batches in {t['run_hours']:.1f} h")
+    if fc.slowdown is not None:
+        lines.append(f"the configured split is predicted {fc.slowdown:.2f}x slower than the best")
+    return "\n".join(lines)
+
+
+def _validate_report(v: dict) -> str:
+    rows = [["shape", "tokens", "anchors", "pred target s", "pred drafter s", "pred ratio", "meas target s",
+             "meas drafter s", "meas ratio", "pred/meas"]]
+    for name, r in v.items():
+        p, m = r["predicted"], r["measured"]
+        rows.append([name, str(r["batch"]["tokens"]), str(r["batch"]["anchors"]), f"{p['target_s']:.3f}",
+                     f"{p['drafter_s']:.3f}", f"{p['ratio']:.3f}", f"{m['target_s']:.3f}", f"{m['drafter_s']:.3f}",
+                     f"{m['ratio']:.3f}", f"{p['ratio'] / m['ratio']:.3f}"])
+    return ("validate on CPU (float32, sdpa path; CPU seconds, min of alternating repetitions; drafter:target "
+            "ratio target 0.7-1.4):\n" + _table(rows))
+
+
+def parse(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m dflash_dist.bench.cost", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("overrides", nargs="*", help="key=value config overrides")
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--nodes", type=int, default=1)
+    ap.add_argument("--device", default="h200", choices=sorted(k for k in C.DEVICES if k != "cpu"))
+    for name, what in (("tflops", "dense bf16 TFLOP/s"), ("mem-gbs", "HBM GB/s"), ("link-gbs", "GPU-GPU GB/s in a node"),
+                       ("net-gbs", "GB/s per GPU between nodes")):
+        ap.add_argument(f"--{name}", type=float, help=f"{what} (overrides --device's)")
+    for kind in C.Efficiency.__dataclass_fields__:
+        ap.add_argument(f"--eff-{kind.replace('_', '-')}", type=float, help=f"efficiency of {kind} work")
+    ap.add_argument("--target-shape", choices=sorted(TARGET_SHAPES),
+                    help="built-in target shape when model.target.path has no config.json")
+    ap.add_argument("--json", help="write the prediction here")
+    ap.add_argument("--validate", action="store_true", help="also check the model against the real code on CPU")
+    return ap.parse_args(argv)
+
+
+def device_and_eff(args) -> tuple[C.Device, C.Efficiency]:
+    dev = C.DEVICES[args.device]
+    dev = replace(dev, **{f: getattr(args, f) for f in ("tflops", "mem_gbs", "link_gbs", "net_gbs")
+                          if getattr(args, f) is not None})
+    eff = C.Efficiency(**{k: getattr(args, f"eff_{k}") for k in C.Efficiency.__dataclass_fields__
+                          if getattr(args, f"eff_{k}") is not None})
+    return dev, eff
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        dev, eff = device_and_eff(args)
+        shapes = model_shapes(cfg, args.target_shape)
+        if not C.candidate_splits(args.gpus_per_node, cfg.model.target.tensor_parallel):
+            raise ValueError(f"--gpus-per-node {args.gpus_per_node} leaves no split for model.target.tensor_parallel="
+                             f"{cfg.model.target.tensor_parallel} (a drafter and a whole target replica per node)")
+        fc = C.forecast(cfg, shapes, C.plan_sample_for(cfg), dev, eff, args.gpus_per_node, args.nodes)
+    except (ConfigError, FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.config} {' '.join(args.overrides)}\ntarget shape: {shapes.source}\nbatches: {fc.ps.source}; "
+          f"{fc.ps.batches:,} over {cfg.train.epochs} epochs, {fc.ps.tokens_per_batch:,.0f} tokens, "
+          f"{fc.ps.anchors_per_batch:,.0f} anchors, {fc.ps.samples_per_batch:.1f} samples per batch\n"
+          f"device {dev.name}: {dev.tflops:g} TFLOP/s, {dev.mem_gbs:g} GB/s; {args.nodes} x {args.gpus_per_node} "
+          f"GPUs; efficiency {eff}\n")
+    print(report(fc))
+    result = fc.to_json() | {"efficiency": eff.__dict__, "config": args.config, "overrides": args.overrides}
+    if args.validate:
+        v = validate()
+        print("\n" + _validate_report(v))
+        result["validate"] = v
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
