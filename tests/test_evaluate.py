@@ -1,22 +1,25 @@
-"""Speculative decoding: output equals the target's greedy output; tau follows what the drafter gets right."""
+"""Speculative decoding on the built-in target: the KV-cached decoder equals the full-recompute reference
+(output and every step's acceptance) and the target's greedy output; tau follows what the drafter gets
+right; the figures reported; the command line on token-id prompts."""
 from __future__ import annotations
 
 import json
 
-import pytest
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
 from dflash_dist.config import load_config
 from dflash_dist.data.synthetic import synthetic_dataset
-from dflash_dist.evaluate import (acceptance_length, greedy_generate, heldout_prompts, main,
-                                  read_prompts, speculative_generate)
+from dflash_dist.evaluate import acceptance_length, greedy_generate, heldout_prompts, main, speculative_generate
+from dflash_dist.evaluation.prompts import read_prompt_file
+from dflash_dist.evaluation.results import Tally, report
+from dflash_dist.evaluation.speculative import speculative, target_greedy
 from dflash_dist.export import export_drafter
 from dflash_dist.models.build import build_drafter, build_target, draft_spec
 
 CPU = torch.device("cpu")
-
 
 
 def setup(block_size: int = 16, draft_layers: int = 1):
@@ -29,7 +32,7 @@ def setup(block_size: int = 16, draft_layers: int = 1):
 class Oracle(nn.Module):
     """The drafter's call interface; proposes the target's own greedy continuation (one-hot logits),
     optionally wrong at one slot. Also checks the context it is handed: exactly the target's
-    features of the committed prefix."""
+    features of the committed prefix (from the KV cache too, where the cached decoder runs it)."""
 
     def __init__(self, target, spec, wrong_slot: int | None = None):
         super().__init__()
@@ -56,24 +59,59 @@ class Oracle(nn.Module):
 PROMPTS = [[3, 17, 42, 99, 5, 8, 60], [11, 2, 2, 7, 90, 31, 44, 12, 19, 64, 1, 77], [120]]
 
 
-def test_oracle_reaches_block_size():
+def decode(decoder, target, drafter, prompt, n):
+    """(tokens, steps) by either decoder."""
+    if decoder == "reference":
+        return speculative_generate(target, drafter, prompt, n)
+    out = speculative(target, drafter, prompt, n)
+    return out.tokens, out.accepted
+
+
+@pytest.mark.parametrize("decoder", ["reference", "cached"])
+def test_oracle_reaches_block_size(decoder):
     _, target, spec = setup(block_size=8)
     oracle = Oracle(target, spec)
     for p in PROMPTS:
-        out, acc = speculative_generate(target, oracle, p, max_new_tokens=1 + 3 * 8)
+        out, acc = decode(decoder, target, oracle, p, 1 + 3 * 8)
         assert out == greedy_generate(target, p, 1 + 3 * 8)
         assert acc == [8, 8, 8]  # B tokens per verify step: B-1 drafted and accepted, plus the bonus
     r = acceptance_length(target, oracle, PROMPTS, max_new_tokens=30, strict=True)
     assert r["tau"] == 8.0 and r["exact"] and r["num_prompts"] == 3
+    assert r["accepted_per_position"] == [r["num_steps"]] * 7 and r["histogram"][-1] == 1.0
 
 
+@pytest.mark.parametrize("decoder", ["reference", "cached"])
 @pytest.mark.parametrize("wrong_slot", [1, 3, 7])
-def test_first_wrong_slot_bounds_acceptance(wrong_slot):
+def test_first_wrong_slot_bounds_acceptance(wrong_slot, decoder):
     _, target, spec = setup(block_size=8)
     oracle = Oracle(target, spec, wrong_slot=wrong_slot)
-    out, acc = speculative_generate(target, oracle, PROMPTS[1], max_new_tokens=14)
+    out, acc = decode(decoder, target, oracle, PROMPTS[1], 14)
     assert out == greedy_generate(target, PROMPTS[1], 14)
     assert set(acc) == {wrong_slot}  # slots before the wrong one are accepted, then the target's bonus
+
+
+def test_cached_decoder_equals_full_recompute_step_for_step():
+    """A real drafter (the context-caching path), several block sizes: same tokens, same acceptance."""
+    for B in (4, 16):
+        _, target, spec = setup(block_size=B, draft_layers=2)
+        drafter = build_drafter(spec, target, seed=3, device=CPU).eval()
+        for p in PROMPTS + [list(range(1, 60))]:
+            ref_out, ref_acc = speculative_generate(target, drafter, p, 33)
+            out = speculative(target, drafter, p, 33)
+            assert out.tokens == ref_out == target_greedy(target, p, 33).tokens
+            assert out.accepted == ref_acc
+            assert speculative(target, drafter, p, 33, recompute=True).accepted == ref_acc
+
+
+def test_a_stop_token_ends_the_answer_and_its_step_counts_whole():
+    _, target, spec = setup(block_size=8)
+    oracle = Oracle(target, spec)
+    full = greedy_generate(target, PROMPTS[0], 30)
+    stop = frozenset({full[10]})
+    end = full.index(full[10]) + 1
+    out = speculative(target, oracle, PROMPTS[0], 30, stop)
+    assert out.tokens == full[:end] == target_greedy(target, PROMPTS[0], 30, stop).tokens
+    assert sum(out.accepted) >= end and out.accepted[-1] == 8  # the last step accepted its block whole
 
 
 def test_random_drafter_output_equals_greedy():
@@ -86,10 +124,24 @@ def test_random_drafter_output_equals_greedy():
     assert drafter.training  # restored
 
 
+def test_tally_figures_follow_the_steps():
+    t = Tally(4, num_prompts=2, num_turns=3, new_tokens=14, target_s=3.0, speculative_s=1.5)
+    t.add_steps([1, 4, 2])
+    t.add_steps([3, 4])
+    r = report("hf", 4, {"a": t, "b": Tally(4)})
+    a = r["sets"]["a"]
+    assert a["tau"] == pytest.approx(14 / 5) and a["accepted_per_position"] == [4, 3, 2]
+    assert a["histogram"] == pytest.approx([0.2, 0.2, 0.2, 0.4]) and a["speedup"] == 2.0
+    assert a["tokens_per_s"] == {"target": 14 / 3.0, "speculative": 14 / 1.5}
+    assert r["sets"]["b"]["tau"] == 0.0 and r["sets"]["b"]["speedup"] is None
+    assert r["overall"]["accepted_per_position"] == [4, 3, 2] and r["overall"]["num_prompts"] == 2
+
+
 def test_heldout_prompts_are_new_and_from_the_corpus_rule():
     cfg = load_config(overrides=["data.synthetic.num_samples=200"])
     held = heldout_prompts(cfg, 20)
     train = synthetic_dataset(cfg.data.synthetic, cfg.model.target.vocab_size)
+
     def prompt(i):  # the unsupervised prefix, up to the first supervised token
         tokens, mask = train.sample(i)
         return tuple(tokens[:int(np.flatnonzero(mask)[0])].tolist())
@@ -98,26 +150,26 @@ def test_heldout_prompts_are_new_and_from_the_corpus_rule():
     assert all(0 <= t < cfg.model.target.vocab_size - 1 for p in held for t in p)
 
 
-def test_cli_reports_tau(tmp_path, capsys):
+def test_cli_reports_tau_table_and_json(tmp_path, capsys):
     cfg, target, spec = setup(block_size=4)
     d = build_drafter(spec, target, seed=1, device=CPU)
     export_drafter(d.spec, d.state_dict(), tmp_path / "draft", dtype=torch.float32)
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps(PROMPTS[0]) + "\n" + json.dumps({"input_ids": PROMPTS[1]}) + "\n")
-    assert read_prompts(prompts) == PROMPTS[:2]
+    prompts.write_text(json.dumps(PROMPTS[0]) + "\n\n" + json.dumps({"input_ids": PROMPTS[1]}) + "\n")
+    assert read_prompt_file(prompts).items == PROMPTS[:2]
     rc = main(["--draft", str(tmp_path / "draft"), "--prompts", str(prompts), "--max-new-tokens", "6",
-               "objective.block_size=4", "--strict"])
+               "objective.block_size=4", "--strict", "--json", str(tmp_path / "out.json")])
     lines = capsys.readouterr().out.splitlines()
     assert rc == 0 and lines[0].split()[:2] == ["prompt", "set"]
-    name, n, steps, tau, B, exact = lines[1].split()
-    assert (name, n, B, exact) == ("p.jsonl", "2", "4", "yes") and 1.0 <= float(tau) <= 4.0
+    name, n, turns, steps, tau, B, speedup, per_pos, exact = lines[1].split()
+    assert (name, n, turns, B, exact) == ("p", "2", "2", "4", "yes") and 1.0 <= float(tau) <= 4.0
+    out = json.loads((tmp_path / "out.json").read_text())
+    r = out["sets"]["p"]
+    assert out["engine"] == "hf" and out["block_size"] == 4 and out["overall"]["num_steps"] == r["num_steps"]
+    assert r["new_tokens"] == 12 and r["exact"] and len(r["accepted_per_position"]) == 3 and len(r["histogram"]) == 4
+    assert r["tau"] == pytest.approx(1 + sum(r["accepted_per_position"]) / r["num_steps"])
+    assert per_pos == "/".join(map(str, r["accepted_per_position"])) and r["speedup"] > 0
+    assert set(r["tokens_per_s"]) == {"target", "speculative"}
     # Default prompts: held-out synthetic ones.
     assert main(["--draft", str(tmp_path / "draft"), "--max-new-tokens", "4", "--num-prompts", "3"]) == 0
     assert capsys.readouterr().out.splitlines()[1].startswith("synthetic-heldout")
-
-
-def test_cli_rejects_a_drafter_of_another_target(tmp_path):
-    cfg, target, spec = setup(block_size=4)
-    d = build_drafter(spec, target, seed=1, device=CPU)
-    export_drafter(d.spec, d.state_dict(), tmp_path / "draft", dtype=torch.float32)
-    assert main(["--draft", str(tmp_path / "draft"), "model.target.vocab_size=96", "--max-new-tokens", "2"]) == 2
