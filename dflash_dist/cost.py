@@ -9,8 +9,7 @@ amount of work of one kind:
   matmul            FLOPs of dense matrix products (2 per multiply-add)
   causal_attention  FLOPs of the target's attention scores and values (causal within each sequence)
   block_attention   FLOPs of the drafter's (each block over its context and itself), as its path runs
-                    them: "flex" and "ref" the needed ones; "sdpa" each call's queries against all the
-                    call's keys (the context up to its last anchor, and every block of the call)
+                    them (`block_pairs`: "sdpa" and "ref" also score context a block does not see)
   memory     bytes read and written by element-wise work (norms, RoPE, activations, softmax of the loss,
              AdamW, autocast's weight casts)
   link       bytes between GPUs of one node (features sent, tensor-parallel all-reduces, gradient sync)
@@ -41,6 +40,7 @@ measured seconds on the GPU, and `bench.cost --validate` the drafter:target rati
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
@@ -49,6 +49,8 @@ import numpy as np
 from dflash_dist.config import Config
 from dflash_dist.memory import SDPA_GROUP, BatchShape, Precision, Sharding
 from dflash_dist.model_shapes import ModelShapes
+
+log = logging.getLogger(__name__)
 
 COMPUTE = ("matmul", "causal_attention", "block_attention")
 KINDS = COMPUTE + ("memory", "link", "network")
@@ -171,14 +173,18 @@ def chunk_spans(w: BatchShape, chunk: int) -> np.ndarray:
     return np.maximum(packed[last], starts[first] + 1) - starts[first]
 
 
-def sdpa_pairs(w: BatchShape, chunk: int, block_size: int, group: int = SDPA_GROUP) -> float:
-    """(query, key) pairs the drafter's "sdpa" path scores for `w` per layer: each call is a run of at
-    most `group` blocks of one sequence within one anchor chunk; its queries see the context up to the
-    run's last anchor and all of the run's blocks."""
+def block_pairs(w: BatchShape, chunk: int, block_size: int, path: str) -> float:
+    """(query, key) pairs the drafter's attention path scores for `w` per layer. "flex" (tiles aside):
+    each block against its context and itself. "sdpa": one call per run of at most SDPA_GROUP blocks of
+    one sequence within an anchor chunk, its queries against the context up to the run's last anchor
+    and all of the run's blocks. "ref": one run per sequence and chunk, each block against that context
+    and itself."""
     packed, starts, _ = _anchor_arrays(w)
-    A = len(packed)
-    if not A:
-        return 0.0
+    A, B = len(packed), block_size
+    ctx = packed - starts
+    if path == "flex" or not A:
+        return float(B * (ctx + B).sum())
+    group = SDPA_GROUP if path == "sdpa" else A
     size = chunk if 0 < chunk < A else A
     idx = np.arange(A)
     new = np.ones(A, dtype=bool)  # a new (chunk, sequence) segment starts here
@@ -187,8 +193,8 @@ def sdpa_pairs(w: BatchShape, chunk: int, block_size: int, group: int = SDPA_GRO
     run = np.cumsum(new | ((idx - seg_start) % group == 0)) - 1
     last = np.flatnonzero(np.r_[run[1:] != run[:-1], True])  # the last anchor of every run
     blocks = np.diff(np.r_[-1, last])
-    keys = (packed[last] - starts[last]) + blocks * block_size
-    return float((blocks * block_size * keys).sum())
+    own = blocks * B if path == "sdpa" else B
+    return float((blocks * B * (ctx[last] + own)).sum())
 
 
 # -- the two roles ------------------------------------------------------------------------------------
@@ -251,7 +257,7 @@ def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, w: BatchShape, chun
     rows = float(np.clip(lens - 1 - (packed - starts), 0, B - 1).sum())  # block rows with a label
     per_pair = 4 * s.draft_heads * s.draft_head_dim * L  # forward FLOPs per (query, key) pair, all layers
     attn_fwd = per_pair * B * float((ctx + B).sum())
-    attn_run = per_pair * sdpa_pairs(w, chunk, B) if p.attention == "sdpa" else attn_fwd
+    attn_run = per_pair * block_pairs(w, chunk, B, p.attention)
     kv_fwd = 2 * float(spans.sum()) * H * 2 * K * L
     layers_fwd = 2 * R * L * _draft_layer_macs(s)
     t = {
@@ -266,7 +272,8 @@ def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, w: BatchShape, chun
                                                + float(spans.sum()) * c * 6 * K) + N * 12 * H),
     }
     if cfg.model.draft.checkpoint_layers:
-        t["recompute"] = Term("matmul", layers_fwd + kv_fwd + attn_run, useful=0.0)
+        t["recompute"] = Term("matmul", layers_fwd + kv_fwd, useful=0.0)
+        t["recompute_attention"] = Term("block_attention", attn_run, useful=0.0)
     if p.autocast:  # each chunk's autocast region casts the weights again (fp32 read, bf16 written)
         t["weight_casts"] = Term("memory", len(spans) * (4 + c) * s.draft_params)
     t.update(step_terms(s, sharding, nodes))
@@ -302,8 +309,10 @@ class PlanSample:
     source: str = ""
 
 
-def sample_plans(cfg: Config, plans, lengths, anchorable, n: int = 256, source: str = "") -> PlanSample:
-    """`PlanSample` of plans already built (the run's own, or those of `plan_sample_for`)."""
+def sample_plans(cfg: Config, plans, lengths, anchorable, n: int = 256, source: str = "",
+                 batches: int | None = None) -> PlanSample:
+    """`PlanSample` of plans already built (the run's own, or those of `plan_sample_for`); `batches`: the
+    run's batch count when `plans` are not all of its epochs."""
     from dflash_dist.plan import anchors_per_sample
     lengths, anchorable = np.asarray(lengths), np.asarray(anchorable)
     anch = anchors_per_sample(anchorable, cfg.objective.num_anchors)
@@ -320,20 +329,16 @@ def sample_plans(cfg: Config, plans, lengths, anchorable, n: int = 256, source: 
 
     return PlanSample(sample=[shape(b) for b in pick],
                       worst={"anchors": shape(np.argmax(anc)), "tokens": shape(np.argmax(tok))},
-                      batches=sum(len(p) for p in plans), samples_per_batch=len(first.indices) / len(first),
+                      batches=batches or sum(len(p) for p in plans), samples_per_batch=len(first.indices) / len(first),
                       tokens_per_batch=float(tok.mean()), anchors_per_batch=float(anc.mean()), source=source)
 
 
 def plan_sample_for(cfg: Config, samples: int = 902_000) -> PlanSample:
     """The plans of every epoch over the config's data (`memory.plan_lengths`: data.path, else the
     reference chat mix), sampled."""
-    from dflash_dist.memory import plan_lengths, tail_anchorable
-    from dflash_dist.plan import build_plan, plan_kwargs
+    from dflash_dist.memory import plan_lengths, run_plans
     lengths, supervised, anchorable, source = plan_lengths(cfg, samples)
-    if anchorable is None:
-        anchorable = tail_anchorable(lengths, supervised)
-    plans = [build_plan(lengths, supervised, epoch=e, anchorable=anchorable, **plan_kwargs(cfg))
-             for e in range(cfg.train.epochs)]
+    plans, anchorable = run_plans(cfg, lengths, supervised, anchorable)
     return sample_plans(cfg, plans, lengths, anchorable, source=source)
 
 
@@ -480,3 +485,29 @@ def device_for(kind: str, name: str = "") -> Device:
         if key in name.lower():
             return DEVICES[key]
     return replace(DEVICES["h200"], name=f"{name or 'unknown GPU'} (priced as H200)")
+
+
+def predict_run(cfg: Config, ds, layout, device_type: str, device_name: str = "",
+                batches: int | None = None) -> Forecast:
+    """The forecast for a run's own layout and data (epoch 0's plan of dataset `ds`, `batches` in all)."""
+    from dflash_dist.model_shapes import model_shapes
+    from dflash_dist.plan import plan_for_epoch
+    ps = sample_plans(cfg, [plan_for_epoch(ds, cfg, 0)], ds.lengths, ds.num_anchorable, source="the run's plan",
+                      batches=batches)
+    return forecast(cfg, model_shapes(cfg), ps, device_for(device_type, device_name),
+                    gpus_per_node=layout.local_world_size, nodes=layout.num_nodes,
+                    precision=Precision.from_config(cfg, device_type))
+
+
+def log_start(fc: Forecast) -> None:
+    """Rank 0's start-of-run lines: the predicted split and throughput; a warning when the configured
+    split is predicted more than SLOW_WARN times slower than the best."""
+    warn, line = start_message(fc)
+    (log.warning if warn else log.info)("%s", line)
+
+
+def predicted_per_batch(fc: Forecast) -> dict:
+    """What the end-of-run balance advice prints beside its measurements (seconds per batch)."""
+    d = fc.configured if fc.configured in [x["drafters_per_node"] for x in fc.splits] else fc.best["drafters_per_node"]
+    return {"target_s_per_batch": fc.per_batch["target"]["avg_s"], "drafter_s_per_batch": fc.split(d)["drafter_step_s"],
+            "best_drafters_per_node": fc.best["drafters_per_node"], "device": fc.device.name}

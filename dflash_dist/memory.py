@@ -148,21 +148,29 @@ def worst_batches(cfg: Config, lengths: np.ndarray, supervised: np.ndarray, anch
     plans of `epochs` (default: every epoch of the run), built as the run builds them. Without
     `anchorable` (no loss mask at hand), each sample's supervised tokens are taken to be its tail
     (`tail_anchorable`)."""
-    from dflash_dist.plan import build_plan, plan_kwargs
-    lengths, supervised = np.asarray(lengths), np.asarray(supervised)
-    if anchorable is None:
-        anchorable = tail_anchorable(lengths, supervised)
-    anchorable = np.asarray(anchorable)
-    plans = [build_plan(lengths, supervised, epoch=e, anchorable=anchorable, **plan_kwargs(cfg))
-             for e in (epochs if epochs is not None else range(cfg.train.epochs))]
+    plans, anchorable = run_plans(cfg, lengths, supervised, anchorable, epochs)
     return worst_of_plans(cfg, plans, lengths, anchorable)
 
 
+def run_plans(cfg: Config, lengths: np.ndarray, supervised: np.ndarray, anchorable: np.ndarray | None = None,
+              epochs: Iterable[int] | None = None) -> tuple[list, np.ndarray]:
+    """(the plans of `epochs` (default: every epoch of the run) built as the run builds them, the anchor
+    positions per sample they were built with: `tail_anchorable` without `anchorable`). The memory
+    and the cost model (dflash_dist.cost) both read their batches from here."""
+    from dflash_dist.plan import build_plan, plan_kwargs
+    lengths, supervised = np.asarray(lengths), np.asarray(supervised)
+    anchorable = np.asarray(tail_anchorable(lengths, supervised) if anchorable is None else anchorable)
+    plans = [build_plan(lengths, supervised, epoch=e, anchorable=anchorable, **plan_kwargs(cfg))
+             for e in (epochs if epochs is not None else range(cfg.train.epochs))]
+    return plans, anchorable
+
+
 def worst_of_plans(cfg: Config, plans, lengths: np.ndarray, anchorable: np.ndarray) -> dict[str, BatchShape]:
-    """`worst_batches` over plans already built (the run's own, counted at start); anchors per sample =
-    min(anchorable, objective.num_anchors)."""
+    """`worst_batches` over plans already built (the run's own, counted at start); anchors per sample as
+    the plan counts them (`plan.anchors_per_sample`)."""
+    from dflash_dist.plan import anchors_per_sample
     lengths = np.asarray(lengths)
-    anch = np.minimum(np.asarray(anchorable), cfg.objective.num_anchors)
+    anch = anchors_per_sample(np.asarray(anchorable), cfg.objective.num_anchors)
     best: dict[str, tuple[int, BatchShape]] = {}
     for plan in plans:
         starts = plan.offsets[:-1]
