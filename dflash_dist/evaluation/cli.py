@@ -95,7 +95,7 @@ def init_ranks(timeout_s: float) -> tuple[int, int, torch.device]:
 def setup_logging(rank: int, world: int) -> None:
     tag = f"[rank{rank} evaluate] " if world > 1 else ""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {tag}%(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S", force=True)
+                        datefmt="%H:%M:%S")  # a no-op where logging is set up already (tests)
 
 
 def make_chat(cfg, sets: list[PromptSet], thinking: bool):

@@ -1,0 +1,128 @@
+"""Bad input to `python -m dflash_dist.evaluate`: exit 2 and a message naming the file, line or flag;
+never a traceback, never a silent tau of 0.000 (issue 19, item 8)."""
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_dist.config import load_config
+from dflash_dist.evaluate import main
+from dflash_dist.export import export_drafter
+from dflash_dist.models.build import build_drafter, build_target, draft_spec
+
+CPU = torch.device("cpu")
+B4 = "objective.block_size=4"
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory) -> Path:
+    cfg = load_config(overrides=[B4])
+    target = build_target(cfg, CPU)
+    d = build_drafter(draft_spec(cfg, target), target, seed=1, device=CPU)
+    return export_drafter(d.spec, d.state_dict(), tmp_path_factory.mktemp("ev") / "draft", dtype=torch.float32)
+
+
+def run(argv, caplog) -> tuple[int, str]:
+    caplog.clear()
+    with caplog.at_level(logging.ERROR):
+        rc = main(argv)
+    return rc, "\n".join(r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR)
+
+
+def prompts(tmp_path: Path, text: str, name: str = "p.jsonl") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("content, where, says", [
+    ("[1, 2, 3]\n[5, 128, 7]\n", ":2", "token id 128 outside the target's vocabulary [0, 128)"),
+    ("[1, 2, 3]\n\n[5, -1, 7]\n", ":3", "token id -1 outside"),
+    ("", "", "no prompts in the file"),
+    ("\n\n", "", "no prompts in the file"),
+    ("[1, 2]\n{not json\n", ":2", "not valid JSON"),
+    ("[" * 100000 + "]" * 100000 + "\n", ":1", "not valid JSON"),  # nested past the recursion limit
+    ("[1, 2]\n[]\n", ":2", "a non-empty list of token ids"),
+    ("[1, 2]\n[1.5, 2]\n", ":2", "a non-empty list of token ids"),
+    ('{"turns": []}\n', ":1", "\"turns\" must be a non-empty list of non-empty strings"),
+    ('{"turns": ["hi", 3]}\n', ":1", "\"turns\" must be a non-empty list"),
+    ('[1, 2]\n{"turns": ["hi"]}\n', ":2", "one kind per file"),
+])
+def test_bad_prompt_files_name_file_and_line(tmp_path, caplog, draft, content, where, says):
+    path = prompts(tmp_path, content)
+    rc, err = run(["--draft", str(draft), "--bench", path, "--max-new-tokens", "2", B4], caplog)
+    assert rc == 2 and f"{path}{where}:" in err and says in err, err
+
+
+def test_conversations_need_a_tokenizer_target(tmp_path, caplog, draft):
+    path = prompts(tmp_path, '{"turns": ["hello"]}\n')
+    rc, err = run(["--draft", str(draft), "--bench", path, B4], caplog)
+    assert rc == 2 and path in err and "model.target.kind=hf" in err, err
+
+
+@pytest.mark.parametrize("flag, value", [("--max-new-tokens", "0"), ("--max-new-tokens", "-3"),
+                                         ("--num-prompts", "0"), ("--kv-cache-bytes", "0")])
+def test_bad_flags_are_named(caplog, draft, flag, value):
+    rc, err = run(["--draft", str(draft), flag, value, B4], caplog)
+    assert rc == 2 and f"{flag} {value}: must be a positive number" in err, err
+
+
+def test_unknown_bench_name_and_unreachable_public_set(tmp_path, caplog, draft, monkeypatch):
+    rc, err = run(["--draft", str(draft), "--bench", "gsm9k", B4], caplog)
+    assert rc == 2 and "--bench gsm9k: no such file" in err and "gsm8k" in err, err
+    # No `datasets` (or no Hub) here: the message says which file to provide instead.
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    rc, err = run(["--draft", str(draft), "--bench", "mt-bench", "--bench-dir", str(tmp_path), B4], caplog)
+    assert rc == 2 and f"provide {tmp_path / 'mt-bench.jsonl'}" in err and '{"turns"' in err, err
+    # Provided, it is used under the benchmark's name (and its lines are checked like any file's).
+    (tmp_path / "mt-bench.jsonl").write_text('{"turns": ["hi"]}\n[1]\n')
+    rc, err = run(["--draft", str(draft), "--bench", "mt-bench", "--bench-dir", str(tmp_path), B4], caplog)
+    assert rc == 2 and f"{tmp_path / 'mt-bench.jsonl'}:2:" in err, err
+
+
+def copy_export(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_damaged_export_is_named(tmp_path, caplog, draft):
+    bad = copy_export(draft, tmp_path / "truncated")
+    w = bad / "model.safetensors"
+    w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+    rc, err = run(["--draft", str(bad), B4], caplog)
+    assert rc == 2 and f"{w}: cannot load the drafter weights" in err, err
+
+    nocfg = copy_export(draft, tmp_path / "no_dflash_config")
+    cfg = json.loads((nocfg / "config.json").read_text())
+    del cfg["dflash_config"]
+    (nocfg / "config.json").write_text(json.dumps(cfg))
+    rc, err = run(["--draft", str(nocfg), B4], caplog)
+    assert rc == 2 and f"{nocfg / 'config.json'}: missing dflash_config" in err, err
+
+    (nocfg / "config.json").write_text("{trunc")
+    rc, err = run(["--draft", str(nocfg), B4], caplog)
+    assert rc == 2 and f"{nocfg / 'config.json'}: not readable JSON" in err, err
+
+    rc, err = run(["--draft", str(tmp_path / "nowhere"), B4], caplog)
+    assert rc == 2 and f"--draft {tmp_path / 'nowhere'}: no config.json" in err, err
+
+
+def test_a_drafter_of_another_target_is_refused(caplog, draft):
+    rc, err = run(["--draft", str(draft), "model.target.vocab_size=96", "--max-new-tokens", "2"], caplog)
+    assert rc == 2 and "does not fit the target: vocab_size 128 (drafter) != 96 (target)" in err, err
+
+
+def test_exit_code_of_the_real_command(tmp_path, draft):
+    """The same through the module entry point, as a user runs it: exit 2, the file named, no traceback."""
+    path = prompts(tmp_path, "[1, 2]\n[1000]\n")
+    res = subprocess.run([sys.executable, "-m", "dflash_dist.evaluate", "--draft", str(draft), "--bench", path, B4],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and f"{path}:2: token id 1000" in res.stderr and "Traceback" not in res.stderr
