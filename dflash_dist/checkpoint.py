@@ -9,7 +9,14 @@ Nothing half-written is ever picked: a save writes `step-N.tmp/` and renames it 
 checkpoint is first renamed to `step-N.trash/` and only then deleted; `cleanup_leftovers` removes both
 kinds (and directories left partial by older versions) on the next start. A checkpoint whose files do
 not match their checksums (a torn copy, a bad disk) is skipped by `resume=auto` for the newest one
-that does, and refused when named explicitly.
+that does, and refused when named explicitly. meta.json carries its own checksum too (`meta_sha256`,
+over its canonical JSON): an edited or damaged cursor is found like a damaged drafter.pt.
+
+Only weights that were followed by a finite step are written (`train_state.TrainState.write`), and
+pruning (`keep_last`) never removes the newest checkpoint known to be good: one whose weights a later
+finite step used. What `train.resume` picks across roll-backs, fresh starts and divergences is the
+run directory's lineage (lineage.py); what a resume trusts beyond the config (the cursor, the data,
+the plan) is checked by `check_resume_data`.
 """
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ from typing import Any
 
 import torch
 
+from dflash_dist import lineage
 from dflash_dist.config import Config, ConfigError, to_dict
 from dflash_dist.fsutil import fsync_dir, json_safe
 
@@ -44,6 +52,8 @@ PLAN_KEYS = ("train.seed", "plan", "data", "objective.num_anchors")
 # How the same computation is loaded, split or scheduled, not what it computes.
 NOT_TRAINING = ("model.target.dtype", "model.target.path", "model.target.tensor_parallel",
                 "model.draft.checkpoint_layers", "objective.anchor_chunk", "objective.loss_rows", "data.cache_dir")
+# What may change at any resume, said in a warning: the knobs that get a diverged run going again.
+RESUME_FREE = ("optim.lr", "optim.grad_clip")
 LAYOUT_KEYS = ("num_drafters", "num_targets", "num_nodes", "ranks_per_node", "tensor_parallel")
 _LOW_SPACE = 64 << 20  # bytes free below which a failed write is reported as a full disk
 
@@ -70,10 +80,12 @@ def layout_meta(layout, tensor_parallel: int = 1) -> dict:
 
 # ------------------------------------------------------------------------------------------ writing
 
-def save_checkpoint(run_dir: Path, step: int, state: dict, meta: dict, keep_last: int = 0) -> Path:
+def save_checkpoint(run_dir: Path, step: int, state: dict, meta: dict, keep_last: int = 0,
+                    good_before: int | None = None) -> Path:
     """Write `state` and `meta` (plus the files' checksums) atomically as checkpoint `step`; then prune
-    all but the newest `keep_last` (0 = keep all). Raises CheckpointWriteError on a failed write, with
-    the previous checkpoints intact."""
+    all but the newest `keep_last` (0 = keep all) and, with `good_before` (the last finite step), the
+    newest checkpoint of an earlier step, which that finite step vouches for. Raises
+    CheckpointWriteError on a failed write, with the previous checkpoints intact."""
     final = checkpoint_path(run_dir, step)
     tmp = final.with_name(final.name + TMP)
     try:
@@ -83,7 +95,7 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, meta: dict, keep_last
         _fsync_file(tmp / STATE_FILE)
         files = {STATE_FILE: _file_record(tmp / STATE_FILE)}
         with open(tmp / META_FILE, "w") as f:  # written last: its checksums cover what is already on disk
-            f.write(json.dumps(json_safe(dict(meta, files=files)), indent=1, allow_nan=False) + "\n")
+            f.write(json.dumps(sealed(dict(meta, files=files)), indent=1, allow_nan=False) + "\n")
             f.flush()
             os.fsync(f.fileno())
     except (OSError, RuntimeError) as exc:  # torch reports a short write as a RuntimeError
@@ -101,9 +113,34 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, meta: dict, keep_last
         shutil.rmtree(old, ignore_errors=True)
     log.info("saved checkpoint %s", final)
     if keep_last > 0:
-        for victim in list_checkpoints(run_dir)[:-keep_last]:
-            _remove(victim)
+        found = list_checkpoints(run_dir)
+        good = newest_good(found, good_before)
+        for victim in found[:-keep_last]:
+            if victim != good:
+                _remove(victim)
     return final
+
+
+def step_of(path: Path) -> int:
+    return int(Path(path).name.split("-", 1)[1])
+
+
+def newest_good(found: list[Path], good_before: int | None) -> Path | None:
+    """The newest of `found` known to be good: its weights were used by a finite step (one numbered
+    below `good_before`, the last finite step; skipped steps leave the weights as they were)."""
+    good = [p for p in found if good_before is not None and step_of(p) < good_before]
+    return good[-1] if good else None
+
+
+def _canonical(meta: dict) -> bytes:
+    return json.dumps(json_safe({k: v for k, v in meta.items() if k != "meta_sha256"}), sort_keys=True,
+                      separators=(",", ":"), allow_nan=False).encode()
+
+
+def sealed(meta: dict) -> dict:
+    """`meta` (JSON-safe) with `meta_sha256`, the sha256 of its canonical JSON."""
+    meta = json_safe(meta)
+    return dict(meta, meta_sha256=hashlib.sha256(_canonical(meta)).hexdigest())
 
 
 def _fsync_file(path: Path) -> None:
@@ -213,6 +250,8 @@ def checkpoint_problem(path: Path) -> str | None:
         return f"{meta_file} is unreadable: {exc}"
     except (KeyError, TypeError, AttributeError) as exc:
         return f"{meta_file} lacks {exc} (written by an older version, or damaged)"
+    if "meta_sha256" in meta and hashlib.sha256(_canonical(meta)).hexdigest() != meta["meta_sha256"]:
+        return f"{meta_file} does not match its own meta_sha256 (the file was edited or is damaged)"
     if STATE_FILE not in files:
         return f"{meta_file} lists no checksum for {STATE_FILE}"
     for name, size, digest in records:
@@ -315,19 +354,56 @@ def check_plan(meta: dict, path: Path, digests: list[str]) -> None:
         return  # at an epoch boundary nothing of the old plan is reused (or a checkpoint from before this check)
     if saved[epoch] != digests[epoch]:
         raise ConfigError(f"checkpoint {path} was cut at epoch {epoch + 1} batch {batch} of a plan with "
-                          f"fingerprint {saved[epoch]}, but the same config now builds {digests[epoch]} (another "
-                          "numpy or torch version?); resuming mid-epoch would repeat or skip samples. Resume "
+                          f"fingerprint {saved[epoch]}, but the same config and data now build {digests[epoch]} "
+                          "(another numpy or torch version?); resuming mid-epoch would repeat or skip samples. Resume "
                           "with the original environment, from a checkpoint at an epoch boundary, or start "
                           "over with train.resume=none")
 
 
+def check_resume_data(meta: dict, path: Path, cfg: Config, counts, digests: list[str], data: dict) -> None:
+    """Rank 0, with the plans counted: what a resume trusts beyond the config. The cursor must lie within
+    the plan, the dataset must be the one the checkpoint was trained on (`data`: `data.digest.dataset_digest`;
+    a new one is allowed only where the data config changed too, at an epoch boundary), and a mid-epoch
+    cursor needs the same plan (`check_plan`). A ConfigError names what differs."""
+    c, epochs = meta_cursor(meta), len(counts)
+    inside = 0 <= c.epoch < epochs and 0 <= c.batch < counts[c.epoch] or c.epoch == epochs and c.batch == 0
+    if not inside:
+        raise ConfigError(f"checkpoint {path}: its cursor (epoch {c.epoch + 1}, batch {c.batch}) lies outside the "
+                          f"plan ({epochs} epochs of {list(counts)} batches); its {META_FILE} was edited or damaged. "
+                          "Resume another checkpoint with train.resume=PATH, or start over with train.resume=none")
+    saved = meta.get("data")
+    changed = _data_change(saved, data) if saved else None  # older checkpoints carry no digest
+    data_keys = [k for k, _, _ in _differences(meta["config"], to_dict(cfg)) if _under(k, ("data",))]
+    if changed and (c.batch != 0 or not data_keys):
+        raise ConfigError(f"checkpoint {path} was trained on other data: {changed}, under the same data config. "
+                          "Resume with the data it was trained on; to go on with new data, give its data.path at an "
+                          "epoch boundary; or start over with train.resume=none")
+    if changed:
+        log.warning("resuming %s at an epoch boundary on new data (%s): %s", path, ", ".join(data_keys), changed)
+    check_plan(meta, path, digests)
+
+
+def _data_change(saved: dict, now: dict) -> str | None:
+    """In words, how the dataset `now` differs from the one a checkpoint recorded (None: the same)."""
+    if saved.get("samples") != now["samples"]:
+        return f"{now['samples']} samples now, {saved.get('samples')} then"
+    what = [name for name in ("offsets", "tokens", "loss_mask") if saved.get(name) != now[name]]
+    words = {"offsets": "the samples' lengths", "tokens": "the tokens", "loss_mask": "the loss mask"}
+    return " and ".join(words[w] for w in what) + f" changed ({now['samples']} samples, as then)" if what else None
+
+
 def check_resumable(meta: dict, cfg: Config, path: Path, *, report: bool = True) -> Cursor:
     """Refuse (ConfigError) a checkpoint trained with another setup; allow a changed plan at an epoch
-    boundary and any change of layout, logging what changed. Returns the cursor."""
+    boundary, a changed learning rate or clip anywhere (RESUME_FREE: the way out of a divergence) and any
+    change of layout, logging what changed. Returns the cursor."""
     cursor = meta_cursor(meta)
     diffs = _differences(meta["config"], to_dict(cfg))
-    other = [d for d in diffs if not _under(d[0], PLAN_KEYS)]
+    free = [d for d in diffs if _under(d[0], RESUME_FREE)]
+    other = [d for d in diffs if not _under(d[0], PLAN_KEYS + RESUME_FREE)]
     plan = [d for d in diffs if _under(d[0], PLAN_KEYS)]
+    if free and report:
+        log.warning("resuming %s with another %s (allowed at any resume; the schedule keeps its place):\n  %s", path,
+                    " and ".join(d[0] for d in free), _format_differences(free))
     if other:
         raise ConfigError(f"checkpoint {path} was trained with another setup; refusing to resume:\n  "
                           f"{_format_differences(other)}\nresume with the original values, or start over with "
@@ -353,13 +429,24 @@ def resolve_resume(cfg: Config, layout, *, report: bool = True) -> tuple[Path | 
     """Which checkpoint to continue from (train.resume = auto | none | PATH), validated against the
     current config and `layout` (a `topology.Layout`). Every rank calls this before training, on the
     same (shared) run directory; `report=False` keeps the warnings to one rank."""
-    mode = cfg.train.resume
+    mode, run_dir = cfg.train.resume, Path(cfg.train.run_dir)
     if mode == "none":
         return None, Cursor(0, 0)
+    if mode != "auto" and lineage.applied(run_dir, Path(mode)):
+        if report:
+            log.info("train.resume=%s started this run's lineage at an earlier start (%s): continuing the run from "
+                     "its newest checkpoint, as train.resume=auto does (a requeue never rolls back twice)", mode,
+                     run_dir / lineage.LINEAGE_FILE)
+        mode = "auto"
     if mode == "auto":
-        path = find_resumable(Path(cfg.train.run_dir))
+        path = find_resumable(run_dir) or lineage.origin(run_dir)  # a roll-back with no checkpoint of its own yet
         if path is None:
             return None, Cursor(0, 0)
+        problem = checkpoint_problem(path)
+        if problem is not None:
+            raise ConfigError(f"this run continues from checkpoint {path} ({run_dir / lineage.LINEAGE_FILE}), which "
+                              f"cannot be resumed: {problem}. Name another with train.resume=PATH, or start over "
+                              "with train.resume=none")
     else:
         path = Path(mode)
         problem = checkpoint_problem(path)
@@ -377,3 +464,35 @@ def resolve_resume(cfg: Config, layout, *, report: bool = True) -> tuple[Path | 
                     "gradients are now reduced over another set of ranks", path, ", ".join(changed), cursor.batch,
                     cursor.epoch + 1)
     return path, cursor
+
+
+# --------------------------------------------------------------------------------- the run's lineage
+
+def begin_run(cfg: Config) -> Path | None:
+    """Rank 0, once the start is checked: make train.resume's choice the run directory's lineage. A roll-
+    back (a PATH named for the first time) sets aside the checkpoints newer than PATH (all of them when PATH
+    lies outside the run directory); train.resume=none sets aside all; a continuing start changes nothing.
+    Returns where the abandoned checkpoints went (None: none)."""
+    mode, run_dir = cfg.train.resume, Path(cfg.train.run_dir)
+    if mode == "auto" or mode != "none" and lineage.applied(run_dir, Path(mode)):
+        return None
+    src = Path(mode).resolve() if mode != "none" else None
+    found = list_checkpoints(run_dir)
+    keep = [p for p in found if src is not None and p.parent.resolve() == src.parent and step_of(p) <= step_of(src)]
+    aside = lineage.set_aside(run_dir / CKPT_DIR, [p for p in found if p not in keep],
+                              "rolled-back" if src is not None else "started-over")
+    if aside is not None:
+        log.warning("train.resume=%s: the checkpoints this run no longer continues were moved to %s (nothing "
+                    "deleted; train.resume=auto never takes them)", mode, aside)
+    lineage.record(run_dir, mode, src, read_meta(src).get("step", 0) if src else 0, aside)
+    return aside
+
+
+def after_divergence(run_dir: Path, last_finite_step: int) -> tuple[Path | None, Path | None]:
+    """Rank 0, when the run stops for divergence: set aside the checkpoints whose weights led only to
+    non-finite steps (those of step >= the last finite step), so that train.resume=auto takes the newest
+    one known to be good. Returns (where they went, the newest good checkpoint or None)."""
+    found = list_checkpoints(run_dir)
+    good = newest_good(found, last_finite_step)
+    bad = [p for p in found if step_of(p) >= last_finite_step]
+    return lineage.set_aside(Path(run_dir) / CKPT_DIR, bad, "diverged"), good

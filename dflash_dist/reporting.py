@@ -14,9 +14,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflash_dist import checkpoint
 from dflash_dist.balance import balance_advice, format_advice
-from dflash_dist.config import to_dict
+from dflash_dist.config import ConfigError, to_dict
 from dflash_dist.data.dataset import preparation_skips
+from dflash_dist.data.digest import dataset_digest
 from dflash_dist.export import export_drafter, write_model_card
 from dflash_dist.fsutil import write_json
 from dflash_dist.models import attention
@@ -83,6 +85,7 @@ class Reporter(NullReporter):
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.sinks = Sinks(self.run_dir, cfg.wandb, to_dict(cfg), run_id=h.wandb_id)
         h.wandb_id = self.sinks.run_id  # a resumed run continues the same wandb run
+        dataset_digest(self.run.dataset)  # each checkpoint records it: hashed once, now, not in the first save
         self.monitor = Monitor(self.progress, self.sinks, cfg.monitor.interval_s, self.run.ctx.device).start()
         log.info("plan: %s batches over %d epochs = %d total; %d optimizer steps on %d drafters",
                  list(self.run.epoch_counts), cfg.train.epochs, sum(self.run.epoch_counts), self.total_steps,
@@ -169,12 +172,29 @@ class Reporter(NullReporter):
     def stopped(self, kind: str = "stopped") -> None:
         self.progress.skipped_steps = self.state.totals.skipped_steps  # a divergence ends before `step`
         self.monitor.report(kind=kind)
+        if kind == "diverged":
+            self._after_divergence()
+
+    def _after_divergence(self) -> None:
+        """Set aside the checkpoints that led only to non-finite steps and say where to resume from."""
+        t = self.state.totals
+        aside, good = checkpoint.after_divergence(self.run_dir, t.last_finite_step)
+        moved = (f"; the checkpoints whose weights led only to non-finite steps were moved to {aside}"
+                 if aside else "")
+        if good is not None:
+            log.error("the newest checkpoint known to be good is %s (its weights gave a finite step); train.resume=auto "
+                      "now takes it, and a lower optim.lr is allowed at that resume: train.resume=auto optim.lr=%g%s",
+                      good, self.run.cfg.optim.lr / 10, moved)
+        else:
+            log.error("no checkpoint of this run is known to be good: start over with train.resume=none and a lower "
+                      "optim.lr (e.g. optim.lr=%g)%s", self.run.cfg.optim.lr / 10, moved)
 
     # -- rank 0's files: checkpoints (one copy of the whole state) and the export -----------------------
     def save(self, full: dict) -> Path:
         run = self.run
         self.last_save = time.time()
-        return self.state.write(full, run.cfg, run.ctx.layout, run.epoch_counts, run.plan_digests)
+        return self.state.write(full, run.cfg, run.ctx.layout, run.epoch_counts, run.plan_digests,
+                                dataset_digest(run.dataset))
 
     def save_due(self, next_step: int) -> bool:
         """Periodic saves by steps and/or minutes: rank 0 decides, the step's stats carry the decision to
@@ -190,7 +210,12 @@ class Reporter(NullReporter):
         bad = [k for k, v in model_state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
         if bad:
             raise FloatingPointError(f"refusing to export non-finite weights ({', '.join(bad[:3])})")
-        return export_drafter(self.run.spec, model_state, self.run_dir / "export", facts=self.card_facts())
+        try:
+            return export_drafter(self.run.spec, model_state, self.run_dir / "export", facts=self.card_facts())
+        except OSError as exc:  # a directory made read-only during the run (at start it is checked)
+            raise ConfigError(f"cannot write the export to {self.run_dir / 'export'}: {exc.strerror or exc}; the "
+                              "final checkpoint is saved: make the directory writable and start again with "
+                              "train.resume=auto, which writes the export") from exc
 
     def card_facts(self, tau: dict | None = None) -> dict:
         """What the export's model card says of the run: the target, the data seen, the trained tau."""

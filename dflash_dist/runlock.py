@@ -85,23 +85,29 @@ def _read_holder(fd: int) -> str:
     return text or "holder not yet recorded"
 
 
-def check_writable(run_dir: str | os.PathLike) -> None:
-    """ConfigError naming train.run_dir when it cannot be created or written (a read-only mount, a
+def check_writable(run_dir: str | os.PathLike, subdirs: tuple[str, ...] = ("checkpoints", "export")) -> None:
+    """ConfigError naming train.run_dir when it, or one of its `subdirs` that exists already (where the run
+    writes checkpoints and the export), cannot be created or written (a read-only mount or directory, a
     path under a regular file, no permission, a full disk): found before any rank waits on another,
-    instead of surfacing as a failed save hours later."""
+    instead of surfacing as a failed save or export hours later."""
     run_dir = Path(run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"config key 'train.run_dir': cannot create {run_dir}: {exc.strerror or exc}") from exc
-    probe = run_dir / f".write-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    for d in [run_dir] + [run_dir / s for s in subdirs if (run_dir / s).is_dir()]:
+        _probe(d)
+
+
+def _probe(d: Path) -> None:
+    probe = d / f".write-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         with open(probe, "wb") as f:
             f.write(b"ok\n")
             f.flush()
             os.fsync(f.fileno())
     except OSError as exc:
-        raise ConfigError(f"config key 'train.run_dir': {run_dir} is not writable: {exc.strerror or exc}") from exc
+        raise ConfigError(f"config key 'train.run_dir': {d} is not writable: {exc.strerror or exc}") from exc
     finally:
         try:
             probe.unlink()

@@ -17,9 +17,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dflash_dist.checkpoint import check_plan, cleanup_leftovers, read_meta, resolve_resume
+from dflash_dist.checkpoint import begin_run, check_resume_data, cleanup_leftovers, read_meta, resolve_resume
 from dflash_dist.config import Config, ConfigError, load_config
 from dflash_dist.data.dataset import preparation_skips
+from dflash_dist.data.digest import dataset_digest
 from dflash_dist.data.synthetic import synthetic_dataset
 from dflash_dist.dist import DistContext, agree_on_failure, env_ranks, init_distributed, setup_logging, teardown
 from dflash_dist.liveness import DONE, FAILED, Liveness
@@ -89,7 +90,9 @@ def build(cfg: Config, ctx: DistContext, stop_flag: StopFlag, lock: RunLock) -> 
             check_trainable(count.counts, count.skipped, len(ds))
             preflight(cfg, ctx, ds, count.plans)
             if resume_from is not None:
-                check_plan(read_meta(resume_from), resume_from, count.digests)
+                check_resume_data(read_meta(resume_from), resume_from, cfg, count.counts, count.digests,
+                                  dataset_digest(ds))
+            begin_run(cfg)  # a roll-back or fresh start sets aside the checkpoints it abandons
         failure = None
     except (ConfigError, ValueError, OSError) as exc:
         failure = exc

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from dflash_dist.checkpoint import Cursor
 from dflash_dist.config import Config, to_dict
 from dflash_dist.stats import StepStats
 from dflash_dist.topology import Layout
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -37,6 +40,9 @@ class Totals:
     correct: list = field(default_factory=list)  # per block slot
     valid: list = field(default_factory=list)
     skipped_steps: int = 0  # steps not applied because the loss or gradient norm was not finite
+    # The last step applied with a finite loss and gradient norm: the weights of every earlier step were
+    # used by a finite step (skipped steps leave the weights as they were), those of this one not yet.
+    last_finite_step: int = 0
 
     def add(self, s: StepStats) -> None:
         self.batches += s.batches
@@ -104,27 +110,62 @@ class TrainState:
                 "totals": dataclasses.asdict(self.totals), "history": dataclasses.asdict(history or self.history)}
 
     def load(self, st: dict, sharding) -> None:
+        """Restore a checkpoint's state. The learning rate of the config wins over the saved one (a resume
+        may lower it: checkpoint.RESUME_FREE); the schedule keeps its place."""
+        lrs = list(self.scheduler.base_lrs)
         sharding.load_full(self.optimizer, st["drafter"], st["optimizer"])
         self.scheduler.load_state_dict(st["scheduler"])
+        if lrs != list(self.scheduler.base_lrs):
+            self.scheduler.base_lrs = lrs
+            factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+            for group, lr in zip(self.optimizer.param_groups, lrs):
+                group["initial_lr"], group["lr"] = lr, lr * factor
+            self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
         torch.set_rng_state(st["rng"])
-        self.totals = Totals(**st["totals"])
+        totals = dict(st["totals"])
+        totals.setdefault("last_finite_step", totals["steps"])  # saved before it was kept: after a finite step
+        self.totals = Totals(**totals)
         self.history = History(**st["history"])
 
-    def meta(self, cfg: Config, layout: Layout, epoch_counts, plan_digests) -> dict:
+    def last_step_finite(self) -> bool:
+        return self.totals.last_finite_step == self.totals.steps
+
+    def diverged_at_end(self) -> str | None:
+        """Why a run that reached its end must not be saved or exported as trained, or None: its last step
+        was skipped (the final weights are those that gave a non-finite loss or gradient), or most of its
+        steps were (however high train.max_nonfinite_steps is)."""
+        t = self.totals
+        if not self.last_step_finite():
+            return (f"training diverged: the last step ({t.steps}) was skipped for a non-finite loss or gradient "
+                    f"norm ({t.skipped_steps} of {t.steps} steps skipped; the last finite one was step "
+                    f"{t.last_finite_step}); the final weights are the ones that produced it")
+        if 2 * t.skipped_steps > t.steps:
+            return (f"training diverged: {t.skipped_steps} of the run's {t.steps} steps were skipped for a non-finite "
+                    "loss or gradient norm (a run that skips most of its steps has not trained)")
+        return None
+
+    def meta(self, cfg: Config, layout: Layout, epoch_counts, plan_digests, data_digest: dict | None = None) -> dict:
         """meta.json: small, read by every rank (targets too) before the run starts."""
         c = self.cursor
         return {"cursor": {"epoch": c.epoch, "batch": c.batch}, "step": self.totals.steps,
                 "layout": checkpoint.layout_meta(layout, cfg.model.target.tensor_parallel), "config": to_dict(cfg), "epoch_counts": list(epoch_counts),
-                "plan_digests": list(plan_digests), "time": time.time()}
+                "plan_digests": list(plan_digests), "data": data_digest, "time": time.time()}
 
-    def write(self, full: dict, cfg: Config, layout: Layout, epoch_counts, plan_digests) -> Path:
-        """Rank 0 writes what `full_state` gathered. A non-finite weight is never written."""
+    def write(self, full: dict, cfg: Config, layout: Layout, epoch_counts, plan_digests,
+              data_digest: dict | None = None) -> Path | None:
+        """Rank 0 writes what `full_state` gathered: only finite weights, and only after a finite step (the
+        weights after a skipped step are the ones that gave a non-finite loss); None when not written."""
+        if not self.last_step_finite():
+            log.warning("no checkpoint at step %d: it was skipped for a non-finite loss or gradient norm (the last "
+                        "finite step was %d); the checkpoints already written are kept", self.totals.steps,
+                        self.totals.last_finite_step)
+            return None
         bad = [k for k, v in full["drafter"].items() if v.is_floating_point() and not torch.isfinite(v).all()]
         if bad:
             raise FloatingPointError(f"refusing to write a checkpoint with non-finite weights ({', '.join(bad[:3])})")
         return checkpoint.save_checkpoint(Path(cfg.train.run_dir), self.totals.steps, full,
-                                          self.meta(cfg, layout, epoch_counts, plan_digests),
-                                          keep_last=cfg.train.keep_last)
+                                          self.meta(cfg, layout, epoch_counts, plan_digests, data_digest),
+                                          keep_last=cfg.train.keep_last, good_before=self.totals.last_finite_step)
 
 
 def weights_digest(state: dict) -> str:

@@ -151,6 +151,8 @@ class Drafter:
             for epoch in range(state.cursor.epoch, epochs):
                 try:
                     stopped = self.run_epoch(epoch)
+                    if stopped is None and epoch + 1 == epochs and (why := state.diverged_at_end()):
+                        raise Diverged(why)  # nothing of such a run is saved or exported as trained
                 except Diverged:
                     self.reporter.stopped(kind="diverged")  # the last record shows the skipped steps
                     raise
@@ -255,6 +257,7 @@ class Drafter:
         state.totals.steps += 1
         if math.isfinite(norm) and math.isfinite(total.loss_sum):
             state.optimizer.step()
+            state.totals.last_finite_step = state.totals.steps  # checkpoints are written only after such a step
         else:
             state.totals.skipped_steps += 1
             log.warning("step %d skipped: loss sum %s, gradient norm %s (%d of at most %d non-finite steps)",
@@ -263,8 +266,8 @@ class Drafter:
             if state.totals.skipped_steps >= cfg.train.max_nonfinite_steps:
                 raise Diverged(f"training diverged: {state.totals.skipped_steps} steps with a non-finite loss or "
                                f"gradient norm (train.max_nonfinite_steps={cfg.train.max_nonfinite_steps}); lower "
-                               f"optim.lr (now {cfg.optim.lr}) or check the data; no checkpoint or export was "
-                               "written from the diverged weights")
+                               f"optim.lr (now {cfg.optim.lr}; a resume may change it) or check the data; no "
+                               "checkpoint or export was written from the diverged weights")
         state.scheduler.step()
         state.optimizer.zero_grad(set_to_none=True)
         return norm
