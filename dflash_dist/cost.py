@@ -272,7 +272,9 @@ def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, w: BatchShape, chun
                                                + float(spans.sum()) * c * 6 * K) + N * 12 * H),
     }
     if cfg.model.draft.checkpoint_layers:
-        t["recompute"] = Term("matmul", layers_fwd + kv_fwd, useful=0.0)
+        # torch's non-reentrant checkpoint stops once the saved tensors are rebuilt: no layer's down_proj
+        down = 2 * R * L * s.hidden * s.draft_intermediate
+        t["recompute"] = Term("matmul", layers_fwd - down + kv_fwd, useful=0.0)
         t["recompute_attention"] = Term("block_attention", attn_run, useful=0.0)
     if p.autocast:  # each chunk's autocast region casts the weights again (fp32 read, bf16 written)
         t["weight_casts"] = Term("memory", len(spans) * (4 + c) * s.draft_params)

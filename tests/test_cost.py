@@ -1,0 +1,198 @@
+"""The cost model (dflash_dist.cost): its FLOP counts against torch's own count of the real code, the split
+it picks, the start-of-run lines, the bench command, and its drafter:target time ratio against the real
+code's on CPU."""
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from dflash_dist import cost as C
+from dflash_dist.bench import cost as bench_cost
+from dflash_dist.bench.memory import Scaled, _batch
+from dflash_dist.capture import capture_for_drafter
+from dflash_dist.config import load_config, loss_gamma
+from dflash_dist.memory import BatchShape, Precision, Sharding
+from dflash_dist.model_shapes import model_shapes
+from dflash_dist.models import attention as attn
+from dflash_dist.models.build import build_drafter, draft_spec
+from dflash_dist.models.qwen3 import TinyQwen3
+from dflash_dist.objective import anchor_generator, draw_anchors
+from dflash_dist.step import drafter_step
+
+TINY = Scaled(hidden=64, vocab=512, intermediate=192, target_layers=4, heads=4, kv_heads=2, head_dim=16,
+              draft_layers=2, seqs=3, seq_len=70, prompt=10, num_anchors=12, anchor_chunk=16, loss_rows=64)
+F32 = Precision(device="cpu", target_bytes=4, transfer_bytes=4, drafter_compute=4, attention="sdpa")
+
+
+def counted(fn) -> dict[str, float]:
+    """FLOPs torch counts while `fn` runs, as {"mm": dense products, "bmm": batched ones}: with SDPA's math
+    kernel, attention decomposes into batched products, which the counter sees."""
+    with sdpa_kernel([SDPBackend.MATH]), FlopCounterMode(display=False) as fc:
+        fn()
+    ops = {str(k): v for k, v in fc.get_flop_counts()["Global"].items()}
+    return {"mm": sum(v for k, v in ops.items() if k.endswith(("aten.mm", "aten.addmm"))),
+            "bmm": sum(v for k, v in ops.items() if k.endswith(("aten.bmm", "aten.baddbmm")))}
+
+
+def tiny_setup(sc: Scaled = TINY, **cfg_overrides):
+    cfg = load_config(None, sc.overrides() + [f"{k}={v}" for k, v in cfg_overrides.items()])
+    torch.manual_seed(0)
+    target = TinyQwen3(cfg.model.target).eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    batch = _batch(sc)
+    anchors, anchor_cu = draw_anchors(batch.loss_mask, batch.cu_seqlens, sc.num_anchors, anchor_generator(0, 0, 0))
+    starts = torch.repeat_interleave(batch.cu_seqlens[:-1], anchor_cu.diff())
+    shape = BatchShape(tokens=batch.num_tokens, seqs=batch.num_seqs, anchors=anchors.numel(),
+                       seq_lens=tuple(batch.cu_seqlens.diff().tolist()), seq_anchors=tuple(anchor_cu.diff().tolist()),
+                       anchor_pos=tuple((anchors - starts).tolist()))
+    return cfg, target, batch, anchors, anchor_cu, shape
+
+
+def within(a: float, b: float, tol: float = 0.05) -> bool:
+    return abs(a / b - 1) <= tol
+
+
+def test_target_flops_match_torch_count():
+    cfg, target, batch, *_, shape = tiny_setup()
+    ids = list(draft_spec(cfg, target).target_layer_ids)
+    got = counted(lambda: capture_for_drafter(target, batch, ids, cfg.objective, torch.float32))
+    t = C.target_terms(model_shapes(cfg), F32, cfg, shape).terms
+    assert within(t["layers"].amount, got["mm"]), (t["layers"].amount, got["mm"])
+    # The math kernel scores every (query, key) pair and masks the causal half; the model counts the half.
+    lens = np.asarray(shape.seq_lens, dtype=np.float64)
+    dense = t["attention"].amount * (lens ** 2).sum() / (lens * (lens + 1) / 2).sum()
+    assert within(dense, got["bmm"]), (dense, got["bmm"])
+
+
+@pytest.mark.parametrize("path,checkpoint", [("ref", False), ("sdpa", False), ("sdpa", True)])
+def test_drafter_flops_match_torch_count(path, checkpoint):
+    cfg, target, batch, anchors, anchor_cu, shape = tiny_setup(**{"model.draft.checkpoint_layers": checkpoint})
+    spec = draft_spec(cfg, target)
+    model = build_drafter(spec, target, 0, torch.device("cpu"), checkpoint)
+    feats, _ = capture_for_drafter(target, batch, list(spec.target_layer_ids), cfg.objective, torch.float32)
+
+    def step():
+        drafter_step(model, batch, feats, None, anchors, anchor_cu, gamma=loss_gamma(cfg.objective),
+                     anchor_chunk=TINY.anchor_chunk, loss_rows=TINY.loss_rows)
+
+    attn.backend.use(path)
+    try:
+        got = counted(step)
+    finally:
+        attn.backend.use(None)
+    assert shape.anchors > 2 * TINY.anchor_chunk  # several chunks: their context spans are counted
+    t = C.drafter_terms(model_shapes(cfg), Precision(device="cpu", target_bytes=4, transfer_bytes=4,
+                                                     drafter_compute=4, attention=path),
+                        cfg, shape, TINY.anchor_chunk, Sharding(drafters=1)).terms
+    mm = sum(t[k].amount for k in ("fc", "context_kv", "layers", "lm_head", "recompute") if k in t)
+    assert within(mm, got["mm"]), {k: v.amount for k, v in t.items()} | got
+    blk = t["attention"].amount + (t["recompute_attention"].amount if checkpoint else 0)
+    assert within(blk, got["bmm"]), (blk, got["bmm"])
+    assert ("recompute" in t) == checkpoint
+
+
+def test_block_pairs_by_path():
+    """One sequence, anchors at 10, 20, 30, B = 4: flex counts each block's own context and block; ref one
+    run with the last anchor's context; sdpa (runs of 32) the same context and every block of the run."""
+    w = BatchShape(tokens=40, seqs=1, anchors=3, seq_lens=(40,), seq_anchors=(3,), anchor_pos=(10, 20, 30))
+    assert C.block_pairs(w, 0, 4, "flex") == 4 * ((10 + 4) + (20 + 4) + (30 + 4))
+    assert C.block_pairs(w, 0, 4, "ref") == 3 * 4 * (30 + 4)
+    assert C.block_pairs(w, 0, 4, "sdpa") == 3 * 4 * (30 + 12)
+    # chunks of 2 anchors: runs [10, 20] and [30]
+    assert C.block_pairs(w, 2, 4, "sdpa") == 2 * 4 * (20 + 8) + 4 * (30 + 4)
+    assert list(C.chunk_spans(w, 2)) == [20, 30]
+
+
+def test_lockstep_is_the_expected_slowest():
+    assert C.lockstep_seconds([1.0, 3.0], 1) == pytest.approx(2.0)
+    assert C.lockstep_seconds([2.0] * 5, 7) == pytest.approx(2.0)
+    # max of two draws from {1, 3}: 3 unless both are 1 (probability 1/4)
+    assert C.lockstep_seconds([1.0, 3.0], 2) == pytest.approx(2.5, abs=0.05)
+
+
+def _forecast(overrides=(), gpus=8, **kw):
+    cfg = load_config("configs/qwen3_8b.yaml", list(overrides))
+    ps = C.plan_sample_for(cfg, samples=20_000)
+    return C.forecast(cfg, model_shapes(cfg, "qwen3-8b"), ps, C.DEVICES["h200"], gpus_per_node=gpus, **kw)
+
+
+def test_split_is_the_fastest_candidate_and_follows_the_costs():
+    fc = _forecast(["roles.drafters_per_node=2"])
+    rates = {x["drafters_per_node"]: x["batches_per_s"] for x in fc.splits}
+    assert list(rates) == list(range(1, 8))
+    assert fc.best["batches_per_s"] == max(rates.values())
+    for x in fc.splits:  # the rate is the slower role's
+        replicas, d = x["target_replicas_per_node"], x["drafters_per_node"]
+        assert x["batches_per_s"] == pytest.approx(min(replicas / x["target_s"], d / x["drafter_step_s"]))
+    # Qwen3-8B: a drafter step costs more than a target forward, so more drafters than targets
+    assert fc.per_batch["drafter"]["tflop"] > fc.per_batch["target"]["tflop"]
+    assert fc.best["drafters_per_node"] > 4
+    # a target 40x slower at attention: the balance tips towards targets
+    slow_target = _forecast(["roles.drafters_per_node=2"], eff=C.Efficiency(causal_attention=0.01))
+    assert slow_target.per_batch["target"]["avg_s"] > 2 * fc.per_batch["target"]["avg_s"]
+    assert slow_target.best["drafters_per_node"] < fc.best["drafters_per_node"]
+
+
+def test_tensor_parallel_splits_keep_whole_replicas():
+    assert C.candidate_splits(8, 2) == [2, 4, 6]
+    assert C.candidate_splits(8, 4) == [4]
+    fc = _forecast(["model.target.tensor_parallel=2", "roles.drafters_per_node=2"])
+    assert [x["drafters_per_node"] for x in fc.splits] == [2, 4, 6]
+    assert all(x["target_replicas_per_node"] == (8 - x["drafters_per_node"]) // 2 for x in fc.splits)
+
+
+def test_start_of_run_warning(caplog):
+    fc = _forecast(["roles.drafters_per_node=1"])
+    assert fc.slowdown > C.SLOW_WARN
+    with caplog.at_level(logging.INFO, logger="dflash_dist.cost"):
+        C.log_start(fc)
+    rec = caplog.records[-1]
+    assert rec.levelno == logging.WARNING
+    assert f"set roles.drafters_per_node={fc.best['drafters_per_node']}" in rec.getMessage()
+    best = _forecast([f"roles.drafters_per_node={fc.best['drafters_per_node']}"])
+    warn, line = C.start_message(best)
+    assert not warn and "predicted" not in line.split("; configured")[-1]
+    assert best.slowdown == pytest.approx(1.0)
+
+
+def test_predict_run_on_a_dataset(tmp_path):
+    """A run's own forecast: its dataset's plan, its layout (a 4-rank node, 1 drafter)."""
+    from dflash_dist.data.synthetic import synthetic_dataset
+    from dflash_dist.topology import Layout
+    cfg = load_config(None, ["data.synthetic.num_samples=60", "roles.drafters_per_node=1"])
+    ds = synthetic_dataset(cfg.data.synthetic, cfg.model.target.vocab_size)
+    fc = C.predict_run(cfg, ds, Layout(4, 4, 1), "cpu", batches=123)
+    assert fc.ps.batches == 123 and fc.gpus_per_node == 4 and fc.configured == 1
+    assert [x["drafters_per_node"] for x in fc.splits] == [1, 2, 3]
+    per = C.predicted_per_batch(fc)
+    assert per["target_s_per_batch"] > 0 and per["drafter_s_per_batch"] > 0
+
+
+def test_bench_cost_writes_the_fields(tmp_path, capsys):
+    out = tmp_path / "cost.json"
+    assert bench_cost.main(["--config", "configs/qwen3_8b.yaml", "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert set(d["per_batch_tflop"]) == {"target", "drafter"}
+    assert d["per_batch_tflop"]["target"] == pytest.approx(2 * 7.5e9 * 49_152 / 1e12, rel=0.15)  # the issue's count
+    assert d["split"]["drafters_per_node"] in range(1, 8)
+    assert {"samples_per_s", "mfu", "run_hours"} <= set(d["predicted"])
+    assert 0 < d["predicted"]["mfu"] < 1
+    assert "batches/s" in capsys.readouterr().out
+    assert bench_cost.main(["--config", "configs/qwen3_8b.yaml", "--gpus-per-node", "1"]) == 2
+
+
+def test_validate_ratio_on_cpu():
+    """Predicted / measured drafter:target time ratio within 0.7-1.4 at a target-heavy and a drafter-heavy
+    scaled shape (CPU seconds, min of alternating repetitions, the CPU's rates probed in between)."""
+    v = bench_cost.validate(reps=3)
+    assert v["target-heavy"]["measured"]["ratio"] < 1 < v["drafter-heavy"]["measured"]["ratio"]
+    for name, r in v.items():
+        q = r["predicted"]["ratio"] / r["measured"]["ratio"]
+        assert 0.7 <= q <= 1.4, (name, r)
