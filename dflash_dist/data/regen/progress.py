@@ -74,8 +74,11 @@ class Reporter:
         self._stop = threading.Event()
         self._bar = None
         if sys.stderr.isatty():
-            from tqdm import tqdm  # installed with transformers and vllm
-            self._bar = tqdm(total=total, initial=done_before, unit="conv", desc="regenerate", smoothing=0.1)
+            try:
+                from tqdm import tqdm  # installed with transformers and vllm
+                self._bar = tqdm(total=total, initial=done_before, unit="conv", desc="regenerate", smoothing=0.1)
+            except ImportError:  # plain lines then
+                pass
         self._thread = threading.Thread(target=self._run, name="regen-progress", daemon=True)
 
     def totals(self) -> tuple[int, int]:

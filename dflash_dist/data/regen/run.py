@@ -58,13 +58,20 @@ class Shard:
 class StopSignal:
     """SIGTERM / SIGUSR2 / SIGINT: finish the chunk in hand, write it, exit 75."""
 
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)
+
     def __init__(self):
         self.name = ""
+        self.before = {sig: signal.getsignal(sig) for sig in self.SIGNALS}
 
     def install(self) -> "StopSignal":
-        for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
+        for sig in self.SIGNALS:
             signal.signal(sig, self._handler)
         return self
+
+    def restore(self) -> None:
+        for sig, handler in self.before.items():
+            signal.signal(sig, handler)
 
     def _handler(self, signum, frame) -> None:
         if not self.name:
@@ -178,7 +185,7 @@ def summed(counts: list[dict]) -> dict:
     return {**{k: int(v) for k, v in sorted(total.items())}, "skipped": skipped}
 
 
-def work(job: Job, shard: Shard, stop: StopSignal, parts: Path, num_chunks: int) -> bool:
+def work(job: Job, shard: Shard, stop: StopSignal, parts: Path, num_chunks: int, engine: Engine | None) -> bool:
     """This rank's unfinished chunks; False when a stop signal ended it early."""
     mine = {c for c in range(num_chunks) if c % shard.world == shard.rank and not chunks.finished(parts, c)}
     log.info("rank %d: %d of its chunks to do (%d chunks of %d lines in all)", shard.rank, len(mine), num_chunks,
@@ -187,7 +194,7 @@ def work(job: Job, shard: Shard, stop: StopSignal, parts: Path, num_chunks: int)
         return True
     tok = load_tokenizer(job.engine.tokenizer)
     stops = stop_token_ids(tok, generation_config(job.engine.target))
-    engine = build_engine(job.engine, stops, shard.local_rank)
+    engine = engine or build_engine(job.engine, stops, shard.local_rank)
     stop.install()  # after the engine: nothing it starts may take the handlers over
     worker = ChunkWorker(job, engine, ChatRenderer(tok, job.enable_thinking), RankProgress(parts, shard.rank))
     for c, lines in chunks.chunk_lines(job.input, job.chunk_size, mine):
@@ -202,9 +209,17 @@ def work(job: Job, shard: Shard, stop: StopSignal, parts: Path, num_chunks: int)
     return True
 
 
-def run(job: Job, shard: Shard) -> int:
-    """Exit code: 0 done (rank 0: OUTPUT written), 75 stopped by a signal with its chunks kept."""
+def run(job: Job, shard: Shard, engine: Engine | None = None) -> int:
+    """Exit code: 0 done (rank 0: OUTPUT written), 75 stopped by a signal with its chunks kept.
+    `engine`: one already built for job.engine (the tests share one vLLM start between jobs)."""
     stop = StopSignal().install()
+    try:
+        return _run(job, shard, stop, engine)
+    finally:
+        stop.restore()
+
+
+def _run(job: Job, shard: Shard, stop: StopSignal, engine: Engine | None) -> int:
     parts = chunks.parts_dir(job.output)
     key = job_key(job)
     chunks.claim(parts, key)
@@ -215,7 +230,7 @@ def run(job: Job, shard: Shard) -> int:
         before = sum(chunks.read_counts(parts, c)["lines"] for c in range(num_chunks) if chunks.finished(parts, c))
         reporter = Reporter(parts, total, before, job.progress_s).start()
     try:
-        if not work(job, shard, stop, parts, num_chunks):
+        if not work(job, shard, stop, parts, num_chunks, engine):
             log.warning("stopped by %s: finished chunks are kept in %s; rerun the same command to resume", stop.name,
                         parts)
             return EXIT_RESUME
