@@ -85,7 +85,18 @@ def _rates(recs: list[dict]) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarr
     """Per interval between snapshots: mid time, tokens/s, and each role's wait fraction. Intervals across
     a process restart (counters that went back) are NaN. Runs without the cumulative seconds give the
     fractions since the start instead."""
-    t, tok = values(recs, "_t"), values(recs, "tokens")
+    t = values(recs, "_t")
+    gaps = np.diff(t)
+    if len(gaps) and (gaps > 0).any():
+        # An epoch end or a stop reports right after a tick: an interval that short would give a rate of
+        # one batch over milliseconds, so such a record is merged into the next interval.
+        min_dt, kept, last = 0.5 * float(np.median(gaps[gaps > 0])), [0], t[0]
+        for i in range(1, len(recs)):
+            if t[i] - last >= min_dt:  # `_t` runs on across processes (runs.py): it never goes back
+                kept.append(i)
+                last = t[i]
+        recs, t = [recs[i] for i in kept], t[kept]
+    tok = values(recs, "tokens")
     dt, dtok = np.diff(t), np.diff(tok)
     ok = (dt > 1e-3) & (dtok >= 0)
     rate = np.where(ok, dtok / np.where(ok, dt, 1.0), np.nan)
@@ -123,7 +134,7 @@ def throughput_wait(runs: list[RunData]) -> Drawn:
     axes[1, 0].set(xlabel=f"training time ({unit})", ylabel="time spent waiting (%)", ylim=(0, 100))
     for ax in axes[:, 0]:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="small", loc="upper right")
+        ax.legend(fontsize="small", loc="best")
     return Drawn(name, title, caption, fig, run_notes=missing(runs, lambda r: r in have, "progress reports"))
 
 
@@ -200,7 +211,8 @@ def batch_accuracy_vs_length(runs: list[RunData]) -> Drawn:
         detrended = acc - smooth(acc, DETREND)[0]
         for ax, x, y in ((axes[0, 0], length[half], acc[half]), (axes[0, 1], length, detrended)):
             ax.scatter(x, y, s=10, alpha=0.5, color=color(runs.index(run)), edgecolors="none",
-                       label=f"{run.label} (r = {pearson(x, y):+.2f}, {np.isfinite(y).sum()} steps)")
+                       label=f"{run.label} (r = {pearson(x, y):+.2f}, sd {np.nanstd(y):.3f}, "
+                             f"{np.isfinite(y).sum()} steps)")
     axes[0, 0].set(title="accuracy, second half of the run", ylabel="step accuracy")
     axes[0, 1].set(title="accuracy minus its moving mean, all steps", ylabel="step accuracy - moving mean")
     axes[0, 1].axhline(0, color="grey", linewidth=0.8)
@@ -208,6 +220,37 @@ def batch_accuracy_vs_length(runs: list[RunData]) -> Drawn:
         ax.set_xlabel("mean sample length of the step's batches (tokens)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
+    fig.suptitle(title)
+    return Drawn(name, title, caption, fig, run_notes=missing(runs, lambda r: r in have, "per-step records"))
+
+
+def step_accuracy_and_length(runs: list[RunData], window: int = 60) -> Drawn:
+    name, title = "step_accuracy_and_length", "Step by step: accuracy and the mean length of the batch trained"
+    caption = (f"The last {window} optimizer steps of each run (one panel per run). Line: the step's accuracy "
+               "(all block positions); grey bars: the mean sample length of the step's batches (right axis). "
+               "When accuracy rises and falls with the bars, batch make-up, not learning, moves the curve.")
+    have = [r for r in runs if len(r.steps()) >= 3]
+    if not have:
+        return no_data(name, title, caption, "no run has per-step records (step records, written since this report)")
+    fig, axes = new_figure(len(have), 1, height=2.6)
+    for ax, run in zip(axes[:, 0], have):
+        steps = run.steps()[-window:]
+        x = values(steps, "step")
+        length = values(steps, "step_tokens") / np.maximum(values(steps, "step_seqs"), 1)
+        twin = ax.twinx()
+        twin.bar(x, length, width=0.8, color="grey", alpha=0.35, label="mean sample length")
+        twin.set(ylabel="mean sample length (tokens)", ylim=(0, 1.35 * np.nanmax(length)))  # room for the legend
+        ax.set_zorder(twin.get_zorder() + 1)  # the accuracy line above the bars
+        ax.patch.set_visible(False)
+        acc = values(steps, "acc")
+        ax.plot(x, acc, "-o", markersize=3, color=color(runs.index(run)), label="step accuracy")
+        ax.set(title=f"{run.label} (r = {pearson(length, acc):+.2f})", ylabel="step accuracy",
+               ylim=(0, 1.35 * np.nanmax(acc)))
+        ax.grid(alpha=0.3)
+        lines = ax.get_legend_handles_labels()
+        bars = twin.get_legend_handles_labels()
+        ax.legend(lines[0] + bars[0], lines[1] + bars[1], fontsize="small", loc="upper left", ncol=2)
+    axes[-1, 0].set_xlabel("optimizer step")
     fig.suptitle(title)
     return Drawn(name, title, caption, fig, run_notes=missing(runs, lambda r: r in have, "per-step records"))
 
@@ -264,4 +307,5 @@ def memory(runs: list[RunData]) -> Drawn:
     return Drawn(name, title, caption, fig, run_notes=missing(runs, lambda r: r in have, "memory readings"))
 
 
-ALL = (loss_accuracy, accuracy_by_position, throughput_wait, batches_per_epoch, batch_accuracy_vs_length, tau, memory)
+ALL = (loss_accuracy, accuracy_by_position, throughput_wait, batches_per_epoch, batch_accuracy_vs_length,
+       step_accuracy_and_length, tau, memory)

@@ -10,7 +10,8 @@ from dflash_dist.report.plotting import Drawn
 from dflash_dist.report.runs import RunData
 
 ROWS = ("state", "packing", "drafters : targets", "batches per epoch (planned)", "batches trained", "optimizer steps",
-        "samples", "tokens", "training time", "throughput", "final loss", "tau before training", "tau after training",
+        "samples", "tokens", "training time", "throughput", "final loss", "last epoch: mean loss, accuracy",
+        "tau before training", "tau after training",
         "tau estimate (teacher-forced)", "samples skipped (plan)", "samples skipped (preparation)",
         "non-finite steps skipped")
 
@@ -33,6 +34,19 @@ def _skips(d) -> str:
     return ", ".join(f"{k} {n:,}" for k, n in d.items() if n)
 
 
+def _last_epoch(run: RunData) -> str:
+    """Mean loss and accuracy over the last epoch's steps: steadier than the last step's for comparisons."""
+    steps = run.steps()
+    if not steps:
+        return "-"
+    last = [r for r in steps if r.get("epoch") == steps[-1].get("epoch")]
+    loss = [r["loss"] for r in last if isinstance(r.get("loss"), (int, float))]
+    acc = [r["acc"] for r in last if isinstance(r.get("acc"), (int, float))]
+    if not loss or not acc:
+        return "-"
+    return f"{sum(loss) / len(loss):.4f}, {sum(acc) / len(acc):.4f} (epoch {last[0].get('epoch')}, {len(last)} steps)"
+
+
 def key_figures(run: RunData) -> dict[str, str]:
     """The table's column for one run: the summary's figures, or while it runs, its last snapshot's."""
     s, plan = run.summary or {}, run.plan()
@@ -52,6 +66,7 @@ def key_figures(run: RunData) -> dict[str, str]:
         "training time": _num(s.get("time_s", last.get("time")), "{:,.1f} s"),
         "throughput": _num(s.get("tok_per_s", last.get("tok_per_s")), "{:,.0f} tokens/s"),
         "final loss": _num(s.get("final_loss", last.get("loss")), "{:.4f}"),
+        "last epoch: mean loss, accuracy": _last_epoch(run),
         "tau before training": _tau(s.get("tau_untrained")) if s else "-",
         "tau after training": _tau(s.get("tau_trained")) if s else "-",
         "tau estimate (teacher-forced)": _num(s.get("final_accept_len_estimate", last.get("accept_len")), "{:.3f}"),
