@@ -1,7 +1,8 @@
 """Which role is the bottleneck, and which target:drafter split the measurements suggest.
 
 Target cost follows tokens, drafter cost follows anchors x block size, so the right split depends on
-the data and the models; it is measured, not guessed. With per-batch compute times t_T (one target
+the data and the models. The cost model (dflash_dist.cost) predicts it before the run; here it is
+measured, and the two are printed side by side. With per-batch compute times t_T (one target
 forward) and t_D (one drafter step), T targets and D drafters sustain min(T / t_T, D / t_D) batches/s;
 on a node of L ranks the best split maximises that over T + D = L.
 """
@@ -9,10 +10,13 @@ from __future__ import annotations
 
 
 def balance_advice(target_compute_s: float, drafter_compute_s: float, batches: int, ranks_per_node: int,
-                   drafters_per_node: int, target_wait: float, drafter_wait: float) -> dict:
-    """target/drafter_compute_s: summed over all ranks of the role; batches: batches trained."""
+                   drafters_per_node: int, target_wait: float, drafter_wait: float,
+                   predicted: dict | None = None) -> dict:
+    """target/drafter_compute_s: summed over all ranks of the role; batches: batches trained; predicted:
+    the cost model's seconds per batch for this run (`cost.predicted_per_batch`), kept beside the
+    measured ones."""
     if batches <= 0 or target_compute_s <= 0 or drafter_compute_s <= 0:
-        return {}
+        return {"predicted": predicted} if predicted else {}
     t_t, t_d = target_compute_s / batches, drafter_compute_s / batches
     L, d = ranks_per_node, drafters_per_node
 
@@ -26,15 +30,22 @@ def balance_advice(target_compute_s: float, drafter_compute_s: float, batches: i
         "wait_targets": target_wait, "wait_drafters": drafter_wait,
         "suggested_drafters_per_node": best, "current_drafters_per_node": d,
         "predicted_speedup": rate(best) / rate(d),
+        "predicted": predicted,  # the cost model's, from shapes before the run (None: not available)
     }
 
 
 def format_advice(a: dict) -> str:
-    if not a:
-        return "balance: not enough measurements"
+    p = a.get("predicted") or {}
+    model = (f" (cost model: target {p['target_s_per_batch'] * 1e3:.1f} ms, drafter {p['drafter_s_per_batch'] * 1e3:.1f} "
+             f"ms per batch on {p['device']}; best split {p['best_drafters_per_node']} drafters per node)") if p else ""
+    if "bottleneck" not in a:
+        return "balance: not enough measurements" + model
     line = (f"balance: bottleneck {a['bottleneck']} (targets wait {100 * a['wait_targets']:.0f}%, drafters wait "
-            f"{100 * a['wait_drafters']:.0f}%); per batch: target {a['target_s_per_batch'] * 1e3:.1f} ms, drafter "
-            f"{a['drafter_s_per_batch'] * 1e3:.1f} ms")
+            f"{100 * a['wait_drafters']:.0f}%); per batch measured: target {a['target_s_per_batch'] * 1e3:.1f} ms, "
+            f"drafter {a['drafter_s_per_batch'] * 1e3:.1f} ms" + (
+                f"; predicted: target {p['target_s_per_batch'] * 1e3:.1f} ms, drafter "
+                f"{p['drafter_s_per_batch'] * 1e3:.1f} ms ({p['device']}; best split {p['best_drafters_per_node']})"
+                if p else ""))
     if a["suggested_drafters_per_node"] != a["current_drafters_per_node"]:
         line += (f"; suggest roles.drafters_per_node={a['suggested_drafters_per_node']} "
                  f"(predicted x{a['predicted_speedup']:.2f})")

@@ -509,7 +509,25 @@ def log_start(fc: Forecast) -> None:
 
 
 def predicted_per_batch(fc: Forecast) -> dict:
-    """What the end-of-run balance advice prints beside its measurements (seconds per batch)."""
+    """What the end-of-run balance advice prints beside its measurements: seconds of an average batch per
+    role (the drafter's own compute, as a drafter measures it; `drafter_step_s` adds the wait for the
+    slowest drafter of a step at the configured split), and the split the model finds best."""
     d = fc.configured if fc.configured in [x["drafters_per_node"] for x in fc.splits] else fc.best["drafters_per_node"]
-    return {"target_s_per_batch": fc.per_batch["target"]["avg_s"], "drafter_s_per_batch": fc.split(d)["drafter_step_s"],
-            "best_drafters_per_node": fc.best["drafters_per_node"], "device": fc.device.name}
+    return {"target_s_per_batch": fc.per_batch["target"]["avg_s"], "drafter_s_per_batch": fc.per_batch["drafter"]["avg_s"],
+            "drafter_step_s": fc.split(d)["drafter_step_s"], "best_drafters_per_node": fc.best["drafters_per_node"],
+            "device": fc.device.name}
+
+
+def start_of_run(cfg: Config, ds, layout, device, batches: int) -> dict | None:
+    """Rank 0 before the first batch: the forecast for this run's layout, logged (`log_start`), and what
+    the end-of-run advice prints beside its measurements (None, with a warning, when it cannot be made:
+    a forecast never stops a run)."""
+    try:
+        import torch
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+        fc = predict_run(cfg, ds, layout, device.type, name, batches)
+    except Exception as exc:  # noqa: BLE001 - a missing shape or an odd layout must not stop training
+        log.warning("cost model: no forecast for this run (%s: %s)", type(exc).__name__, exc)
+        return None
+    log_start(fc)
+    return predicted_per_batch(fc)

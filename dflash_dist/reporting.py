@@ -78,6 +78,7 @@ class Reporter(NullReporter):
         self.sinks: Sinks | None = None
         self.monitor: Monitor | None = None
         self.last_save = time.time()
+        self.predicted: dict | None = None  # the cost model's seconds per batch (cost.start_of_run)
         self.epoch_correct = self.epoch_valid = None  # hits and labels per block slot, this epoch so far
 
     def __enter__(self):
@@ -96,6 +97,8 @@ class Reporter(NullReporter):
                           "max_seqs": cfg.plan.max_seqs, "block_size": cfg.objective.block_size,
                           "num_drafters": lay.num_drafters, "num_targets": lay.num_targets},
                          console=False, remote=False)
+        from dflash_dist.cost import start_of_run  # the predicted split and throughput, before the first batch
+        self.predicted = start_of_run(cfg, self.run.dataset, lay, self.run.ctx.device, sum(self.run.epoch_counts))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -251,7 +254,8 @@ class Reporter(NullReporter):
         }
         if not lay.colocated:
             summary["balance"] = balance_advice(tc, dc, t.batches, lay.local_world_size, lay.drafters_per_node,
-                                                summary["wait_targets"], summary["wait_drafters"])
+                                                summary["wait_targets"], summary["wait_drafters"],
+                                                predicted=self.predicted)
             log.info("%s", format_advice(summary["balance"]))
         if exported is not None:  # the card as exported lacked the tau measured since
             write_model_card(exported, run.spec, self.card_facts(tau_trained))

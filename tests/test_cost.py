@@ -196,3 +196,30 @@ def test_validate_ratio_on_cpu():
     for name, r in v.items():
         q = r["predicted"]["ratio"] / r["measured"]["ratio"]
         assert 0.7 <= q <= 1.4, (name, r)
+
+
+def test_balance_advice_prints_predicted_beside_measured():
+    from dflash_dist.balance import balance_advice, format_advice
+    pred = {"target_s_per_batch": 0.012, "drafter_s_per_batch": 0.05, "drafter_step_s": 0.06,
+            "best_drafters_per_node": 6, "device": "H200"}
+    a = balance_advice(1.0, 7.0, 100, 8, 1, 0.8, 0.01, predicted=pred)
+    assert a["predicted"] == pred and a["drafter_s_per_batch"] == pytest.approx(0.07)
+    line = format_advice(a)
+    assert "measured: target 10.0 ms, drafter 70.0 ms; predicted: target 12.0 ms, drafter 50.0 ms (H200" in line
+    assert balance_advice(0, 1, 10, 4, 1, 0, 0, predicted=pred) == {"predicted": pred}
+    assert "cost model: target 12.0 ms" in format_advice({"predicted": pred})
+
+
+@pytest.mark.slow
+def test_a_run_logs_and_records_predicted_beside_measured(tmp_path):
+    from helpers import TINY, torchrun
+    res = torchrun(2, TINY + ["train.epochs=1", f"train.run_dir={tmp_path}"], tmp_path, timeout=240)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-3000:]
+    start = [line for line in out.splitlines() if "cost model (CPU (nominal), 1 x 2 GPUs)" in line]
+    assert start and "best roles.drafters_per_node=1" in start[0], out[-3000:]
+    first = [i for i, line in enumerate(out.splitlines()) if "batch 1/" in line or "summary:" in line][0]
+    assert out.splitlines().index(start[0]) < first  # before the first batch's progress
+    balance = json.loads((tmp_path / "summary.json").read_text())["balance"]
+    assert balance["predicted"]["target_s_per_batch"] > 0 and balance["target_s_per_batch"] > 0
+    assert any("per batch measured" in line and "predicted: target" in line for line in out.splitlines())
