@@ -144,3 +144,24 @@ def test_labels_must_match_the_runs(tmp_path):
     (run / "metrics.jsonl").write_text('{"kind": "plan", "epoch_counts": [3]}\n')
     r = report(run, "--labels", "x,y")
     assert r.returncode == 2 and "--labels: 2 labels for 1 run directories" in r.stderr
+
+
+def test_a_resumed_run_is_one_time_axis_and_a_repeated_step_counts_once(tmp_path):
+    """A resumed run appends to metrics.jsonl: a new `plan` record, times from 0 again, and the steps
+    after the checkpoint it resumed from recorded a second time (the later ones are the ones kept)."""
+    from dflash_dist.report import load_run
+    lines = [{"kind": "plan", "step": 0, "epoch_counts": [4]}]
+    lines += [{"kind": "step", "step": s, "epoch": 1, "time": 1.0 * s, "step_batches": 1, "loss": 9.0}
+              for s in (1, 2, 3)]
+    lines += [{"kind": "progress", "step": 3, "time": 3.5, "tokens": 30, "batch": 3}]
+    lines += [{"kind": "plan", "step": 2, "epoch_counts": [4]}]  # resumed from the checkpoint of step 2
+    lines += [{"kind": "step", "step": s, "epoch": 1, "time": 1.0 * (s - 2), "step_batches": 1, "loss": 1.0}
+              for s in (3, 4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    run = load_run(tmp_path)
+    steps = run.steps()
+    assert [s["step"] for s in steps] == [1, 2, 3, 4]
+    assert [s["loss"] for s in steps] == [9.0, 9.0, 1.0, 1.0]  # step 3 as the resumed process trained it
+    times = [r["_t"] for r in run.records if "_t" in r]
+    assert times == [1.0, 2.0, 3.0, 3.5, 4.5, 5.5]  # the second process continues after the first
+    assert run.state().startswith("running, or ended without a summary")
