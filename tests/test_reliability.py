@@ -232,6 +232,22 @@ def test_a_read_only_run_dir_is_a_config_error(tmp_path):
         subprocess.run(unlock, check=True)
 
 
+@pytest.mark.parametrize("sub", ["export", "checkpoints"])
+def test_a_read_only_export_or_checkpoints_directory_is_a_config_error(tmp_path, sub):
+    (tmp_path / sub).mkdir()
+    check_writable(tmp_path)
+    lock = ["chattr", "+i", str(tmp_path / sub)] if os.geteuid() == 0 else ["chmod", "555", str(tmp_path / sub)]
+    unlock = ["chattr", "-i", str(tmp_path / sub)] if os.geteuid() == 0 else ["chmod", "755", str(tmp_path / sub)]
+    subprocess.run(lock, check=True)
+    try:
+        with pytest.raises(ConfigError, match=rf"config key 'train.run_dir': .*/{sub} is not writable: "
+                                              r"(Operation not permitted|Permission denied)"):
+            check_writable(tmp_path)
+    finally:
+        subprocess.run(unlock, check=True)
+    assert list((tmp_path / sub).iterdir()) == []  # the probe is removed
+
+
 # -- signals ------------------------------------------------------------------------------------------
 
 @pytest.fixture
