@@ -17,7 +17,6 @@ from dflash_dist.objective import block_labels, dflash_loss
 from test_prepare import make_tokenizer
 
 CPU = torch.device("cpu")
-EOS = 4  # "<|end|>" of test_prepare's tokenizer: the end of an assistant turn
 # vLLM's CPU attention takes head sizes of 32 and more.
 SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
              num_key_value_heads=1, head_dim=32, max_position_embeddings=1024, tie_word_embeddings=False)
@@ -30,10 +29,21 @@ def target_overrides(model_dir: Path) -> list[str]:
 
 
 def save_target(model_dir: Path) -> Path:
+    """Random weights never say "<|end|>", so the end of an answer (generation_config's eos_token_id) is
+    the token the model says most often after chat prompts: answers then really end early sometimes."""
     torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(**SHAPE, eos_token_id=EOS, bos_token_id=None, pad_token_id=0)
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(model_dir)
+    cfg = transformers.Qwen3Config(**SHAPE, bos_token_id=None, pad_token_id=0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     make_tokenizer(model_dir)
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    said = []
+    for text in ("hi", "how are you?", "tell me a story."):
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        ids = torch.tensor([ids["input_ids"] if hasattr(ids, "keys") else ids])
+        said += model.generate(ids, max_new_tokens=30, do_sample=False)[0, ids.shape[1]:].tolist()
+    eos = max(set(said), key=said.count)
+    model.config.eos_token_id = model.generation_config.eos_token_id = eos
+    model.save_pretrained(model_dir)
     return model_dir
 
 
@@ -73,7 +83,12 @@ def make_export(root: Path) -> tuple[Path, Path]:
     model_dir = save_target(root / "target")
     cfg = load_config(overrides=target_overrides(model_dir))
     target = build_target(cfg, CPU)
-    drafter = train_drafter(target, draft_spec(cfg, target))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: on a shared 2-core machine more threads only wait for each other
+    try:
+        drafter = train_drafter(target, draft_spec(cfg, target))
+    finally:
+        torch.set_num_threads(threads)
     export_drafter(drafter.spec, drafter.state_dict(), root / "draft", dtype=torch.float32)
     return model_dir, root / "draft"
 
