@@ -1,6 +1,7 @@
 """python -m dflash_dist.report RUN_DIR [RUN_DIR ...] [--out DIR] [--labels A,B]
 
-Exit codes: 0 written; 2 a run directory or one of its files cannot be read (the message names it).
+Exit codes: 0 written; 2 a run directory or one of its files cannot be read (the message names it), or
+matplotlib is not installed.
 """
 from __future__ import annotations
 
@@ -28,6 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = args.out or (args.run_dirs[0] / "report" if len(args.run_dirs) == 1 else Path("report"))
     labels = [s.strip() for s in args.labels.split(",")] if args.labels else None
+    try:
+        import matplotlib  # noqa: F401  (an optional extra: say how to get it rather than a traceback)
+    except ImportError:
+        print("error: the report draws with matplotlib, which is not installed: EXTRAS=report bash "
+              "launch/setup.sh (or pip install -e '.[report]')", file=sys.stderr)
+        return 2
     try:
         rep = make_report(args.run_dirs, out, labels)
     except ReportInputError as exc:
