@@ -1,0 +1,74 @@
+"""The same export and prompt sets (conversations and token ids) through the hf engine on one rank, on two
+torchrun ranks (gloo), and served by vLLM's DFlash speculative decoding: the counts agree.
+
+vLLM is part of CI's install (VLLM=1 bash launch/setup.sh): a missing vllm fails here, it never skips.
+One vLLM command (two engines: target-only and speculative) per module; real processes, hard timeouts."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from evaluate_fixtures import make_export, target_overrides, write_jsonl
+from test_evaluate_text import TURNS
+
+# Engine start-ups and torchrun: about 3 minutes on a shared 2-core machine (4.5 at load 12).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+IDS = [[3, 17, 42, 99, 5, 8, 60], [11, 22, 23, 7, 90, 31, 44, 12, 19, 64, 1, 77], [120, 5, 6],
+       [40, 41, 42, 43, 44, 45, 46, 47]]
+TIMING = ("tokens_per_s", "speedup")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engines")
+    model_dir, draft = make_export(root)
+    sets = [str(write_jsonl(root / "chat.jsonl", TURNS)), str(write_jsonl(root / "ids.jsonl", IDS))]
+    return root, model_dir, draft, sets
+
+
+def evaluate(setup, out_name: str, engine: str, nproc: int = 1, extra=()) -> dict:
+    root, model_dir, draft, sets = setup
+    out = root / out_name
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] \
+        if nproc > 1 else [sys.executable]
+    cmd = [*launcher, "-m", "dflash_dist.evaluate", "--draft", str(draft), "--bench", sets[0], "--bench", sets[1],
+           "--engine", engine, "--json", str(out), "--max-new-tokens", "40", *extra, *target_overrides(model_dir)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    return json.loads(out.read_text())
+
+
+def counts(result: dict) -> dict:
+    """Everything but the timings (which differ from run to run) and the run's own description."""
+    return {name: {k: v for k, v in s.items() if k not in TIMING}
+            for name, s in [*result["sets"].items(), ("overall", result["overall"])]}
+
+
+@pytest.fixture(scope="module")
+def hf_one_rank(setup):
+    return evaluate(setup, "hf1.json", "hf", extra=["--strict"])
+
+
+def test_two_ranks_give_the_one_rank_result(setup, hf_one_rank):
+    two = evaluate(setup, "hf2.json", "hf", nproc=2, extra=["--strict"])
+    assert two["ranks"] == 2 and hf_one_rank["ranks"] == 1
+    assert counts(two) == counts(hf_one_rank)
+    assert hf_one_rank["overall"]["exact"] and hf_one_rank["overall"]["num_turns"] == 6 + len(IDS)
+
+
+def test_vllm_serves_the_export_with_the_hf_engines_acceptance(setup, hf_one_rank):
+    vl = evaluate(setup, "vllm.json", "vllm", extra=["--kv-cache-bytes", str(256 << 20), "--max-model-len", "1024"])
+    assert vl["engine"] == "vllm" and vl["block_size"] == hf_one_rank["block_size"] == 4
+    for name in ("chat", "ids", "overall"):
+        v, h = vl["sets"][name] if name != "overall" else vl["overall"], \
+            hf_one_rank["sets"][name] if name != "overall" else hf_one_rank["overall"]
+        assert v["accepted_per_position"] == h["accepted_per_position"], name
+        assert v["num_steps"] == h["num_steps"] and v["new_tokens"] == h["new_tokens"], name
+        assert abs(v["tau"] - h["tau"]) <= 0.01 * h["tau"], name
+        assert v["exact"] and v["speedup"] > 0, name  # vLLM's speculative output == its target-only output
+    assert sum(vl["overall"]["accepted_per_position"]) > 0  # a drafter that is right some of the time
