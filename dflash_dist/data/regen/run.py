@@ -199,7 +199,14 @@ def work(job: Job, shard: Shard, stop: StopSignal, parts: Path, num_chunks: int,
     worker = ChunkWorker(job, engine, ChatRenderer(tok, job.enable_thinking), RankProgress(parts, shard.rank))
     for c, lines in chunks.chunk_lines(job.input, job.chunk_size, mine):
         t0 = time.monotonic()
-        out, counts = worker.run(lines)
+        try:
+            out, counts = worker.run(lines)
+        except Exception:
+            if not stop.name:
+                raise
+            # The signal reached the engine's own process too (a process-group signal, e.g. Ctrl-C).
+            log.exception("chunk %d: the engine failed after %s; this chunk is lost and will be redone", c, stop.name)
+            return False
         chunks.write_chunk(parts, c, out, dict(counts))
         worker.progress.chunk_written()
         log.info("chunk %d: %d lines -> %d conversations, %d new tokens in %.1f s", c, counts["lines"],

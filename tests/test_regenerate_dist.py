@@ -1,0 +1,109 @@
+"""Chat regeneration as real processes: two ranks under torchrun write what one writes; SIGTERM to the
+torchrun agent stops after the chunk in hand (exit 75) and the same command resumes to the same output;
+launch/regenerate.sh gives the same conversations with --engine vllm and --engine hf; the output
+prepares with data.prepare and trains under torchrun."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import TORCHRUN, torchrun, wait_for
+
+from dflash_dist.bench.regenerate import conversations, make_target, write_jsonl
+from dflash_dist.data.regen import chunks
+
+pytestmark = pytest.mark.slow  # whole runs in subprocesses
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    return make_target(tmp_path_factory.mktemp("regen") / "target")
+
+
+def args(target: Path, src: Path, out: Path, *extra: str) -> list[str]:
+    return ["--target", str(target), "--input", str(src), "--output", str(out), "--engine", "hf",
+            "--max-new-tokens", "24", "--on-length", "keep", *extra]
+
+
+def regen_cmd(nproc: int, argv: list[str]) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, "-m", "dflash_dist.data.regenerate", *argv]
+    return TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", "-m", "dflash_dist.data.regenerate", *argv]
+
+
+def test_two_ranks_write_what_one_writes(target, tmp_path):
+    src = write_jsonl(tmp_path / "chats.jsonl", conversations(30, seed=6) + ["{bad"])
+    for n in (1, 2):
+        res = subprocess.run(regen_cmd(n, args(target, src, tmp_path / f"out{n}.jsonl", "--chunk-size", "4")),
+                             capture_output=True, text=True, timeout=240, env=ENV)
+        assert res.returncode == 0, res.stderr[-3000:]
+    assert (tmp_path / "out1.jsonl").read_bytes() == (tmp_path / "out2.jsonl").read_bytes()
+    meta = json.loads((tmp_path / "out2.meta.json").read_text())
+    assert meta["conversations_out"] == 30 and meta["skipped"]["bad_json"] == 1 and meta["input_lines"] == 31
+    assert "[rank1]" in res.stderr and "rank 1: 4 of its chunks to do" in res.stderr  # chunks 1, 3, 5, 7 of 8
+
+
+def test_sigterm_stops_after_the_chunk_and_the_rerun_resumes(target, tmp_path):
+    src = write_jsonl(tmp_path / "chats.jsonl", conversations(120, seed=7))
+    whole = tmp_path / "whole.jsonl"
+    one = subprocess.run(regen_cmd(1, args(target, src, whole, "--chunk-size", "4")), capture_output=True, text=True,
+                         timeout=240, env=ENV)
+    assert one.returncode == 0, one.stderr[-3000:]
+    out = tmp_path / "out.jsonl"
+    parts = chunks.parts_dir(out)
+    log = open(tmp_path / "first.log", "w")
+    cmd = regen_cmd(2, args(target, src, out, "--chunk-size", "4", "--batch-size", "1"))  # slow enough to stop
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=ENV)
+    try:
+        wait_for(lambda: len(list(parts.glob("chunk-*.json"))) >= 2, 180, "two finished chunks")
+        proc.send_signal(signal.SIGTERM)  # to the torchrun agent, which forwards it to both ranks
+        assert proc.wait(timeout=120) == 75, (tmp_path / "first.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = (tmp_path / "first.log").read_text()
+    done = len(list(parts.glob("chunk-*.json")))
+    assert not out.exists() and 2 <= done < 30, text[-3000:]
+    assert text.count("stopping after the current chunk is written") == 2, text[-3000:]
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=ENV)
+    assert again.returncode == 0, again.stderr[-3000:]
+    import re
+    todo = sum(int(n) for n in re.findall(r"rank \d: (\d+) of its chunks to do", again.stderr))
+    assert todo == 30 - done, again.stderr[-3000:]  # finished chunks are not redone
+    assert out.read_bytes() == whole.read_bytes()
+    assert json.loads((tmp_path / "out.meta.json").read_text())["conversations_out"] == 120
+
+
+def test_launch_script_engines_agree_and_the_output_prepares_and_trains(target, tmp_path):
+    from dflash_dist.data.prepare import Options, prepare
+    src = write_jsonl(tmp_path / "chats.jsonl", conversations(60, seed=8))
+    outs = {}
+    for engine in ("vllm", "hf"):
+        out = tmp_path / f"{engine}.jsonl"
+        argv = args(target, src, out, "--chunk-size", "30")
+        argv[argv.index("--engine") + 1] = engine
+        res = subprocess.run(["bash", str(ROOT / "launch" / "regenerate.sh"), *argv, "--kv-cache-gib", "0.25"],
+                             capture_output=True, text=True, timeout=900, env=ENV, cwd=tmp_path)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert f"vllm engine: {target}" in res.stderr if engine == "vllm" else "hf engine:" in res.stderr
+        outs[engine] = out.read_bytes()
+    assert outs["vllm"] == outs["hf"]
+    meta = prepare(str(target), str(tmp_path / "vllm.jsonl"), str(tmp_path / "ds"), Options())
+    assert meta["num_samples"] == 60 and not any(meta["skipped"].values())
+    run = tmp_path / "run"
+    res = torchrun(3, [f"data.path={tmp_path / 'ds'}", "plan.token_budget=1024", "model.target.kind=hf",
+                       f"model.target.path={target}", "model.draft.target_layer_ids=[0,1]", "train.epochs=1"],
+                   run, timeout=300)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["samples"] == 60 and all(e["loss"] == e["loss"] for e in summary["epochs"])
+    assert (run / "export" / "model.safetensors").is_file()
