@@ -55,7 +55,7 @@ def test_gpu_check_dry_run_reports_every_section(tmp_path, capsys):
     for name, sec in sections.items():
         assert sec["status"] == "ok", (name, sec.get("error"), sec.get("log_tail"))
         assert f"\n{name} " in text  # its rows are in the table
-    env, drafter, target, nccl = (sections[s]["values"] for s in gpu_check.SECTIONS)
+    env, drafter, target, nccl = (sections[s]["values"] for s in ("env", "drafter", "target", "nccl"))
     assert env["torch"] == torch.__version__ and env["GPUs"] == 0 and env["C compiler"]
     assert drafter["attention path"] == "sdpa" and drafter["sdpa fallback fwd+bwd"] == "ok"
     assert drafter["mean step s"] > 0 and drafter["worst step s"] > 0

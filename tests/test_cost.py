@@ -223,3 +223,36 @@ def test_a_run_logs_and_records_predicted_beside_measured(tmp_path):
     balance = json.loads((tmp_path / "summary.json").read_text())["balance"]
     assert balance["predicted"]["target_s_per_batch"] > 0 and balance["target_s_per_batch"] > 0
     assert any("per batch measured" in line and "predicted: target" in line for line in out.splitlines())
+
+
+def test_gpu_check_grads_section_fails_loudly_on_a_wrong_path(monkeypatch):
+    """The dry form of gpu_check's grads section passes as the code is, and fails, naming the path, when
+    the sdpa path's output is off by 1%."""
+    from dflash_dist.bench import gpu_grads
+    from dflash_dist.bench.sections import Report
+    rep = Report()
+    gpu_grads.section_grads(rep, dry=True, deadline=0)
+    rows = {m: (v, n) for m, v, n in rep.rows}
+    assert rows["drafter float32 sdpa grads"][0] < gpu_grads.TOL["float32"]
+    assert rows["target float32 flex features (eager)"][0] < gpu_grads.TOL["float32"]
+    real = attn._sdpa_block
+    monkeypatch.setattr(attn, "_sdpa_block", lambda *a, **k: real(*a, **k) * 1.01)
+    with pytest.raises(AssertionError, match="drafter float32 sdpa"):
+        gpu_grads.section_grads(Report(), dry=True, deadline=0)
+
+
+def test_gpu_check_cost_section_fails_outside_the_ratio_range(monkeypatch):
+    from dflash_dist.bench.sections import Report
+
+    def fake(overrides, reps, device):
+        assert device == "cpu"
+        return {"shape": {}, "batch": {"tokens": 1, "anchors": 1}, "device": {"tflops": 1.0, "mem_gbs": 1.0,
+                "causal_attention": 1.0, "block_attention": 1.0},
+                "predicted": {"target_s": 1.0, "drafter_s": 2.0, "ratio": 2.0},
+                "measured": {"target_s": 1.0, "drafter_s": 1.0, "ratio": 1.0}}
+
+    monkeypatch.setattr(bench_cost, "validate_shape", fake)
+    rep = Report()
+    with pytest.raises(AssertionError, match="target-heavy 2.00"):
+        bench_cost.section_cost(rep, dry=True, deadline=float("inf"))
+    assert [v for m, v, _ in rep.rows if m.endswith("ratio pred/meas")] == [2.0, 2.0]

@@ -12,8 +12,8 @@ throughput and run time at the best and at the configured split.
 
 --validate runs the real target capture (`capture.capture_for_drafter`) and the real drafter step
 (`step.drafter_step` + AdamW) on CPU at two scaled shapes (`bench.memory.Scaled`, float32, sdpa path):
-one where the target's work dominates, one where the drafter's does. Times are the minimum over
-alternating repetitions (a shared machine's noise only adds). The CPU's own rates are measured first
+one where the target's work dominates, one where the drafter's does. Times are the minimum CPU time
+of one thread over alternating repetitions (a shared machine's noise only adds). The CPU's own rates are measured first
 (a matmul at the shapes' width, an element-wise pass over a large tensor), and the ratio of drafter to
 target seconds that the model predicts with them is printed beside the measured one (target 0.7-1.4).
 """
@@ -40,26 +40,40 @@ VALIDATE_SHAPES = {
 VALIDATE_BASE = dict(vocab=2048, seqs=4, seq_len=256, prompt=32, anchor_chunk=0, loss_rows=2048)
 
 
-def rate_probes(sc, rows: int) -> tuple[dict, dict]:
-    """Probes of this CPU's rate for each kind of work at the scaled shape `sc` (bench.memory.Scaled), as
+# On a GPU: widths where matmuls fill the device, 8 sequences of 1,024 tokens, bf16 (drafter under autocast).
+GPU_VALIDATE_BASE = dict(hidden=2048, intermediate=6144, heads=16, kv_heads=4, head_dim=128, vocab=32768, seqs=8,
+                         seq_len=1024, prompt=64, anchor_chunk=0, loss_rows=8192, bf16=True)
+GPU_VALIDATE_SHAPES = {
+    "target-heavy": dict(target_layers=12, num_anchors=16, draft_layers=1),
+    "drafter-heavy": dict(target_layers=4, num_anchors=128, draft_layers=3),
+}
+RATIO_RANGE = (0.7, 1.4)  # predicted / measured drafter:target time ratio
+
+
+def rate_probes(sc, rows: int, dev) -> tuple[dict, dict]:
+    """Probes of the device's rate for each kind of work at the scaled shape `sc` (bench.memory.Scaled), as
     ({name: fn}, {name: units of work per call}): a (rows, H) x (H, I) matmul; causal SDPA over one
     sequence without grad (the target's "ref" path); a masked SDPA call of the drafter's "sdpa" path
     (SDPA_GROUP blocks against half a sequence of context) forward and backward; an in-place multiply
-    over 64 MiB (bytes read and written)."""
+    over 64 MiB (bytes read and written). In the compute dtype of `sc` (bf16 or float32)."""
     import torch
     import torch.nn.functional as F
 
     from dflash_dist.memory import SDPA_GROUP
-    g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(rows, sc.hidden, generator=g), torch.randn(sc.hidden, sc.intermediate, generator=g)
+    dt = torch.bfloat16 if sc.bf16 else torch.float32
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def rnd(*shape, grad=False):
+        return torch.randn(*shape, generator=g, device=dev, dtype=dt, requires_grad=grad)
+
+    a, b = rnd(rows, sc.hidden), rnd(sc.hidden, sc.intermediate)
     h, hkv, d, L = sc.heads, sc.kv_heads, sc.head_dim, sc.seq_len
-    q, k, v = (torch.randn(1, n, L, d, generator=g) for n in (h, hkv, hkv))
+    q, k, v = rnd(1, h, L, d), rnd(1, hkv, L, d), rnd(1, hkv, L, d)
     nq = SDPA_GROUP * 16
     keys = L // 2 + nq
-    qb = torch.randn(1, h, nq, d, generator=g, requires_grad=True)
-    kb, vb = (torch.randn(1, hkv, keys, d, generator=g, requires_grad=True) for _ in range(2))
-    mask = torch.rand(nq, keys, generator=g) < 0.6
-    x = torch.randn(1 << 24, generator=g)
+    qb, kb, vb = rnd(1, h, nq, d, grad=True), rnd(1, hkv, keys, d, grad=True), rnd(1, hkv, keys, d, grad=True)
+    mask = torch.rand(nq, keys, generator=g, device=dev) < 0.6
+    x = rnd(1 << (24 if dt == torch.float32 else 25))
 
     def causal():
         with torch.no_grad():
@@ -71,37 +85,31 @@ def rate_probes(sc, rows: int) -> tuple[dict, dict]:
     fns = {"matmul": lambda: a @ b, "causal_attention": causal, "block_attention": block,
            "memory": lambda: x.mul_(1.0)}
     work = {"matmul": 2 * rows * sc.hidden * sc.intermediate, "causal_attention": 4 * h * d * L * (L + 1) / 2,
-            "block_attention": 3 * 4 * h * d * nq * keys, "memory": 2 * x.numel() * 4}
+            "block_attention": 3 * 4 * h * d * nq * keys, "memory": 2 * x.numel() * x.element_size()}
     return fns, work
 
 
-def cpu_rates(seconds: dict, work: dict) -> tuple[C.Device, C.Efficiency]:
+def measured_rates(seconds: dict, work: dict, name: str) -> tuple[C.Device, C.Efficiency]:
     """The probes' rates as a Device whose peak is the matmul's, the other kinds as efficiencies."""
     rate = {k: work[k] / seconds[k] for k in work}
     mm = rate["matmul"]
-    return (C.Device("CPU (measured)", mm / 1e12, rate["memory"] / 1e9, 1.0, 1.0),
+    return (C.Device(f"{name} (measured)", mm / 1e12, rate["memory"] / 1e9, 1.0, 1.0),
             C.Efficiency(matmul=1.0, causal_attention=rate["causal_attention"] / mm,
                          block_attention=rate["block_attention"] / mm, memory=1.0, link=1.0, network=1.0))
 
 
-def validate_shape(overrides: dict, reps: int = 3) -> dict:
-    """Predicted and measured seconds of one target capture and one drafter step (+ AdamW) at a scaled
-    shape on CPU, and their drafter:target ratios."""
+def _scaled_job(sc, dev):
+    """(cfg, target, batch, anchors, anchor_cu, BatchShape with the drawn anchors) at scaled shape `sc`."""
     import torch
 
-    from dflash_dist.bench.memory import Scaled, _batch
-    from dflash_dist.capture import capture_for_drafter
-    from dflash_dist.config import loss_gamma
-    from dflash_dist.memory import BatchShape, Sharding
-    from dflash_dist.models.build import build_drafter, draft_spec
+    from dflash_dist.bench.memory import _batch
+    from dflash_dist.memory import BatchShape
     from dflash_dist.models.qwen3 import TinyQwen3
     from dflash_dist.objective import anchor_generator, draw_anchors
-    from dflash_dist.step import drafter_step
 
-    sc = Scaled(**(VALIDATE_BASE | overrides))
     cfg = load_config(None, sc.overrides())
     torch.manual_seed(0)
-    target = TinyQwen3(cfg.model.target).eval()
+    target = TinyQwen3(cfg.model.target).to(dev, torch.bfloat16 if sc.bf16 else torch.float32).eval()
     for p in target.parameters():
         p.requires_grad_(False)
     batch = _batch(sc)
@@ -110,59 +118,139 @@ def validate_shape(overrides: dict, reps: int = 3) -> dict:
     shape = BatchShape(tokens=batch.num_tokens, seqs=batch.num_seqs, anchors=anchors.numel(),
                        seq_lens=tuple(batch.cu_seqlens.diff().tolist()), seq_anchors=tuple(anchor_cu.diff().tolist()),
                        anchor_pos=tuple((anchors - starts).tolist()))
+    return cfg, target, batch.to(dev), anchors, anchor_cu, shape
+
+
+def validate_shape(overrides: dict, reps: int = 3, device: str = "cpu") -> dict:
+    """Predicted and measured seconds of one target capture and one drafter step (+ AdamW) at a scaled
+    shape (on CPU: VALIDATE_BASE, float32; on CUDA: GPU_VALIDATE_BASE, bf16), both on the "sdpa" paths
+    (no compile), and their drafter:target ratios."""
+    import torch
+
+    from dflash_dist.bench.memory import Scaled
+    from dflash_dist.capture import capture_for_drafter
+    from dflash_dist.config import loss_gamma
+    from dflash_dist.memory import Sharding
+    from dflash_dist.models import attention as attn
+    from dflash_dist.models.build import build_drafter, draft_spec
+    from dflash_dist.step import drafter_step
+
+    dev = torch.device(device)
+    sc = Scaled(**((GPU_VALIDATE_BASE if dev.type == "cuda" else VALIDATE_BASE) | overrides))
+    cfg, target, batch, anchors, anchor_cu, shape = _scaled_job(sc, dev)
     spec = draft_spec(cfg, target)
     layer_ids = list(spec.target_layer_ids)
-    model = build_drafter(spec, target, cfg.model.draft.seed, torch.device("cpu"), False)
+    model = build_drafter(spec, target, cfg.model.draft.seed, dev, False)
     opt = torch.optim.AdamW(list(model.parameters()), lr=1e-4)
-    gamma = loss_gamma(cfg.objective)
-    feats, labels = capture_for_drafter(target, batch, layer_ids, cfg.objective, torch.float32)
-
-    def run_target():
-        capture_for_drafter(target, batch, layer_ids, cfg.objective, torch.float32)
+    gamma, dt = loss_gamma(cfg.objective), torch.bfloat16 if sc.bf16 else torch.float32
+    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=sc.bf16)
+    feats, labels = capture_for_drafter(target, batch, layer_ids, cfg.objective, dt)
 
     def run_drafter():
         drafter_step(model, batch, feats, labels, anchors, anchor_cu, gamma=gamma, anchor_chunk=sc.anchor_chunk,
-                     loss_rows=sc.loss_rows)
+                     loss_rows=sc.loss_rows, autocast=autocast)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     # The probes alternate with the two roles: the rates are measured under the same load as the steps.
-    probes, work = rate_probes(sc, batch.num_tokens)
-    measured = min_interleaved({"target": run_target, "drafter": run_drafter, **probes}, reps)
-    dev, eff = cpu_rates(measured, work)
-    shapes, prec = model_shapes(cfg), sc.precision
+    # On CPU one thread: CPU time then counts work, not the spin-waits of idle intra-op threads.
+    probes, work = rate_probes(sc, batch.num_tokens, dev)
+    threads = torch.get_num_threads()
+    attn.backend.use("sdpa")
+    try:
+        if dev.type == "cpu":
+            torch.set_num_threads(1)
+        measured = min_interleaved({"target": lambda: capture_for_drafter(target, batch, layer_ids, cfg.objective, dt),
+                                    "drafter": run_drafter, **probes}, reps, dev)
+    finally:
+        attn.backend.use(None)
+        torch.set_num_threads(threads)
+    rates, eff = measured_rates(measured, work, dev.type.upper())
+    shapes, prec = model_shapes(cfg), replace(sc.precision, device=dev.type)
     one = Sharding(drafters=1, drafters_per_target=1)
-    t = C.target_terms(shapes, prec, cfg, shape, one).seconds(dev, eff, exclude=("send",))
-    d = C.drafter_terms(shapes, prec, cfg, shape, sc.anchor_chunk, one).seconds(dev, eff)
+    t = C.target_terms(shapes, prec, cfg, shape, one).seconds(rates, eff, exclude=("send",))
+    d = C.drafter_terms(shapes, prec, cfg, shape, sc.anchor_chunk, one).seconds(rates, eff)
     return {"shape": {k: getattr(sc, k) for k in ("hidden", "target_layers", "draft_layers", "num_anchors", "seqs",
-                                                  "seq_len", "vocab")},
-            "batch": shape.summary(), "device": {"tflops": dev.tflops, "mem_gbs": dev.mem_gbs, "causal_attention": eff.causal_attention,
-                       "block_attention": eff.block_attention},
+                                                  "seq_len", "vocab", "bf16")},
+            "batch": shape.summary(), "device": {"tflops": rates.tflops, "mem_gbs": rates.mem_gbs,
+                                                 "causal_attention": eff.causal_attention,
+                                                 "block_attention": eff.block_attention},
             "predicted": {"target_s": t, "drafter_s": d, "ratio": d / t},
             "measured": {"target_s": measured["target"], "drafter_s": measured["drafter"],
                          "ratio": measured["drafter"] / measured["target"]}}
 
 
-def min_interleaved(fns: dict, reps: int) -> dict[str, float]:
-    """Minimum CPU seconds of this process per call of each fn over `reps` alternating rounds, after one
-    untimed round. CPU time, not wall time: on a shared machine the wall clock also counts the time other
-    processes hold the cores, which no model of this work can predict."""
+def min_interleaved(fns: dict, reps: int, dev=None) -> dict[str, float]:
+    """Minimum seconds per call of each fn over `reps` alternating rounds, after one untimed round. On CPU,
+    this process's CPU time, not wall time: on a shared machine the wall clock also counts the time other
+    processes hold the cores, which no model of this work can predict. On CUDA, wall time between device
+    synchronisations."""
+    import torch
+    cuda = dev is not None and torch.device(dev).type == "cuda"
+    clock = time.perf_counter if cuda else time.process_time
     best = {k: float("inf") for k in fns}
     for i in range(reps + 1):
         for k, fn in fns.items():
-            t0 = time.process_time()
+            if cuda:
+                torch.cuda.synchronize(dev)
+            t0 = clock()
             fn()
+            if cuda:
+                torch.cuda.synchronize(dev)
             if i:
-                best[k] = min(best[k], time.process_time() - t0)
+                best[k] = min(best[k], clock() - t0)
     return best
 
 
-def validate(reps: int = 3) -> dict[str, dict]:
-    return {name: validate_shape(o, reps) for name, o in VALIDATE_SHAPES.items()}
+def validate(reps: int = 3, device: str = "cpu") -> dict[str, dict]:
+    shapes = GPU_VALIDATE_SHAPES if device.startswith("cuda") else VALIDATE_SHAPES
+    return {name: validate_shape(o, reps, device) for name, o in shapes.items()}
 
 
-def validate(reps: int = 3) -> dict[str, dict]:
-    return {name: validate_shape(o, reps) for name, o in VALIDATE_SHAPES.items()}
+# -- bench.gpu_check's calibration ---------------------------------------------------------------------
+
+def predicted_seconds(cfg, role: str, dev, lengths, seq_anchors=(), anchor_pos=(), attention: str = "flex") -> float:
+    """The cost model's seconds for one batch of `role` as gpu_check runs it (one process: one drafter, no
+    gradient sync, nothing sent), at the device's built-in peaks and the default efficiencies. Measured /
+    predicted is then the factor by which the default efficiencies are off on this machine."""
+    import torch
+
+    from dflash_dist.memory import BatchShape, Precision, Sharding
+    lengths = tuple(int(x) for x in lengths)
+    w = BatchShape(tokens=sum(lengths), seqs=len(lengths), anchors=int(sum(seq_anchors)), seq_lens=lengths,
+                   seq_anchors=tuple(int(x) for x in seq_anchors), anchor_pos=tuple(int(x) for x in anchor_pos))
+    device = C.device_for(dev.type, torch.cuda.get_device_name(dev) if dev.type == "cuda" else "")
+    prec = Precision.from_config(cfg, dev.type, attention=attention)
+    one = Sharding(drafters=1, drafters_per_target=1)
+    if role == "target":
+        return C.target_terms(model_shapes(cfg), prec, cfg, w, one).seconds(device, C.Efficiency(), exclude=("send",))
+    return C.drafter_terms(model_shapes(cfg), prec, cfg, w, cfg.objective.anchor_chunk, one).seconds(device, C.Efficiency())
+
+
+def section_cost(rep, dry: bool, deadline: float) -> None:
+    """gpu_check's "cost" section: `validate_shape` on the device (CUDA: GPU_VALIDATE_SHAPES in bf16; the
+    dry run: the CPU shapes), a row per measurement, then the drafter:target ratio check. A ratio outside
+    RATIO_RANGE fails the section (after its rows are written): the model's balance is off there."""
+    device = "cpu" if dry else "cuda"
+    bad = []
+    for name, o in (VALIDATE_SHAPES if dry else GPU_VALIDATE_SHAPES).items():
+        if time.monotonic() > deadline - 30:
+            rep.add(f"{name}", "skipped", "the section's time is spent")
+            continue
+        r = validate_shape(o, reps=2 if dry else 3, device=device)
+        p, m, d = r["predicted"], r["measured"], r["device"]
+        q = p["ratio"] / m["ratio"]
+        rep.add(f"{name} batch", f"{r['batch']['tokens']} tok, {r['batch']['anchors']} anchors", str(r["shape"]))
+        rep.add(f"{name} target s pred|meas", f"{p['target_s']:.4g} | {m['target_s']:.4g}", "sdpa paths, min of reps")
+        rep.add(f"{name} drafter s pred|meas", f"{p['drafter_s']:.4g} | {m['drafter_s']:.4g}", "step + AdamW")
+        rep.add(f"{name} ratio pred/meas", q, f"drafter:target predicted {p['ratio']:.3g}, measured {m['ratio']:.3g}; "
+                                              f"target {RATIO_RANGE[0]}-{RATIO_RANGE[1]}")
+        rep.add(f"{name} probed rates", f"{d['tflops']:.3g} TFLOP/s", f"{d['mem_gbs']:.0f} GB/s; attention vs matmul: "
+                f"causal {d['causal_attention']:.2f}, block {d['block_attention']:.2f}")
+        if not RATIO_RANGE[0] <= q <= RATIO_RANGE[1]:
+            bad.append(f"{name} {q:.2f}")
+    if bad:
+        raise AssertionError(f"cost model: predicted/measured drafter:target ratio outside {RATIO_RANGE}: {', '.join(bad)}")
 
 
 # -- CLI ----------------------------------------------------------------------------------------------

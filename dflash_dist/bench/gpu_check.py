@@ -1,6 +1,6 @@
 """A short check of a GPU machine at the reference shape (Qwen3-8B target, 5-layer drafter), random weights.
 
-    python -m dflash_dist.bench.gpu_check [--json PATH] [--sections env,drafter,target,nccl]
+    python -m dflash_dist.bench.gpu_check [--json PATH] [--sections env,grads,drafter,target,nccl,cost]
     python -m dflash_dist.bench.gpu_check --dry-run      # tiny shapes on CPU, gloo: every section runs
 
 Each section runs in its own process (this module again, with --section NAME) in a session of its own,
@@ -9,22 +9,32 @@ that fails or times out is reported with the tail of its output and the next one
 first:
   env      torch, CUDA and NCCL versions; GPUs (name, count, memory); whether flash-attn, liger-kernel and
            triton import; a C compiler (inductor needs one for flex attention); PYTORCH_CUDA_ALLOC_CONF.
+  grads    correctness of the GPU attention paths (bench.gpu_grads): on a small packed batch, the drafter
+           step's loss and every gradient on the flex and sdpa paths against the ref path (float32 and
+           bf16 autocast), and a transformers target's captured features on flex (and flash) against ref;
+           a mismatch fails the section.
   drafter  one training step (dflash_dist.step.drafter_step + AdamW) of the 5-layer drafter at Qwen3-8B
            width, on the batch with the mean and the one with the most anchors of the 902K-sample plan
            (configs/qwen3_8b.yaml: 49,152 tokens, 64 sequences, 512 anchors per sequence, its anchor
-           chunk). Attention warm-up (path, compile seconds; the SDPA fallback exercised too), step time,
-           peak memory against the memory model, graphs compiled after the warm-up.
+           chunk). Attention warm-up (path, compile seconds; the SDPA fallback exercised too), step time
+           beside the cost model's prediction, peak memory against the memory model, graphs compiled
+           after the warm-up.
   target   transformers Qwen3 at the full Qwen3-8B shape, random bf16 weights built on the GPU, through
            HFTarget.capture (layers 1, 9, 17, 25, 33; it stops after 33) over one 49,152-token batch with a
-           16K-token sequence: capture time, tokens/s, MFU, peak memory against the memory model, and
+           16K-token sequence: capture time (beside the cost model's), tokens/s, MFU, peak memory against
+           the memory model, and
            isolation (one sequence's tokens changed: every other sequence's features bitwise equal).
   nccl     1 GPU: the embedded job with roles.mode=colocated under torchrun on NCCL; 2+ GPUs: packet vs raw
            NCCL send of one reference-size packet (49,152 tokens x 5 x 4096 bf16, 1.9 GiB); 3+ GPUs: the
            embedded job with 2 drafters per node and 2 epochs. Exit code, the "drafter replicas identical"
            and "tail" lines, and no watchdog or timeout line.
+  cost     the cost model's drafter:target time ratio against the real target capture and drafter step
+           (bench.cost.validate_shape at two bf16 shapes, one target-heavy, one drafter-heavy, sdpa paths,
+           the device's rates probed in between); outside 0.7-1.4 fails the section. With the drafter and
+           target sections' measured/predicted rows, the calibration of `--eff-*` for bench.cost.
 One table (section, metric, value, note) on stdout and a JSON file. Time: each section has a cap (CAPS)
 and none runs past the budget (470 s on one GPU, 590 s on several), so the check ends within 8 and 10
-minutes. Without CUDA (and without --dry-run) it says so and exits with status 2.
+minutes; a section the budget does not reach is reported as skipped (run it with --sections). Without CUDA (and without --dry-run) it says so and exits with status 2.
 """
 from __future__ import annotations
 
@@ -49,9 +59,10 @@ from dflash_dist.config import Config, TargetConfig, default_target_layer_ids, l
 
 # torch is imported where it is used: a section's process (and the hidden test section) starts in a
 # fraction of a second, and the parent process never loads what the sections measure.
-SECTIONS = ("env", "drafter", "target", "nccl")
+SECTIONS = ("env", "grads", "drafter", "target", "nccl", "cost")
 HIDDEN = ("hang",)  # test hook: a section that never ends (tests/test_bench_smoke.py)
-CAPS = {"env": 30, "drafter": 240, "target": 150, "nccl": 80, "hang": 600}  # seconds; nccl: 220 on 2+ GPUs
+CAPS = {"env": 30, "grads": 120, "drafter": 240, "target": 150, "nccl": 80, "cost": 60,
+        "hang": 600}  # seconds; nccl: 220 on 2+ GPUs
 BUDGET_S = {1: 470, 2: 590}  # one GPU / several (and --dry-run)
 QWEN3_8B = TargetConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
                         num_kv_heads=8, head_dim=128, rope_theta=1e6, rms_eps=1e-6)
@@ -183,6 +194,20 @@ def report_memory(rep: Report, what: str, measured: tuple[float, float] | None,
         rep.add(f"{what} predicted/reserved", (pred["peak"] - 1.0) / measured[1], "total less 1 GiB CUDA context / max reserved")
 
 
+def report_time(rep: Report, what: str, measured: float, cfg: Config, role: str, dev: torch.device, lengths,
+                seq_anchors=(), anchor_pos=(), attention: str = "flex") -> None:
+    """The cost model's seconds beside a measured one: measured / predicted is the factor by which its
+    default efficiencies are off on this machine (bench.cost --eff-* takes the calibrated ones)."""
+    try:
+        from dflash_dist.bench.cost import predicted_seconds
+        pred = predicted_seconds(cfg, role, dev, lengths, seq_anchors, anchor_pos, attention)
+    except Exception as exc:  # the measurement stands without the model: say why
+        rep.add(f"{what} predicted s", "n/a", f"cost model unavailable ({type(exc).__name__}: {str(exc)[:80]})")
+        return
+    rep.add(f"{what} predicted s", pred, "dflash_dist.cost: the device's peaks, default efficiencies")
+    rep.add(f"{what} measured/predicted", measured / pred, "1: the default efficiencies hold here")
+
+
 # -- env ------------------------------------------------------------------------------------------------
 
 def section_env(rep: Report, dry: bool, deadline: float) -> None:
@@ -311,9 +336,10 @@ def section_drafter(rep: Report, dry: bool, deadline: float) -> None:
             continue
         rep.add(f"{name} step s", first, f"{A / first:.0f} anchors/s")
         seq = torch.repeat_interleave(torch.arange(batch.num_seqs, device=dev), anchor_cu.diff())
-        report_memory(rep, name, peak_gib(dev), predicted_peak(
-            cfg, "drafter", dev, lengths, anchor_cu.diff().tolist(), (anchors - batch.cu_seqlens[seq]).tolist(),
-            attention=attn.resolve(None, "block", feats)))
+        shape = (lengths, anchor_cu.diff().tolist(), (anchors - batch.cu_seqlens[seq]).tolist())
+        report_time(rep, f"{name} step", first, cfg, "drafter", dev, *shape, attention=attn.resolve(None, "block", feats))
+        report_memory(rep, name, peak_gib(dev), predicted_peak(cfg, "drafter", dev, *shape,
+                                                               attention=attn.resolve(None, "block", feats)))
         del feats, batch
     rep.add("graphs compiled after warm-up", attn.backend.compile_stats()["late_graphs"], "target 0")
 
@@ -398,6 +424,7 @@ def section_target(rep: Report, dry: bool, deadline: float) -> None:
     flops = target_flops(t, lengths, layers)
     peak = peak_tflops(dev)
     rep.add("capture s", sec, f"{layers} layers; median of 2")
+    report_time(rep, "capture", sec, cfg, "target", dev, lengths)
     rep.add("tokens/s", n / sec)
     rep.add("MFU", flops / sec / (peak * 1e12) if peak else "n/a",
             f"{flops / 1e12:.0f} TFLOP incl. attention; peak {peak} TFLOP/s bf16 dense" if peak else "unknown peak")
@@ -492,9 +519,19 @@ def section_hang(rep: Report, dry: bool, deadline: float) -> None:
     time.sleep(600)
 
 
+def section_grads(rep: Report, dry: bool, deadline: float) -> None:
+    from dflash_dist.bench.gpu_grads import section_grads as run
+    run(rep, dry, deadline)
+
+
+def section_cost(rep: Report, dry: bool, deadline: float) -> None:
+    from dflash_dist.bench.cost import section_cost as run
+    run(rep, dry, deadline)
+
+
 RUNNERS: dict[str, Callable[[Report, bool, float], None]] = {
-    "env": section_env, "drafter": section_drafter, "target": section_target, "nccl": section_nccl,
-    "hang": section_hang}
+    "env": section_env, "grads": section_grads, "drafter": section_drafter, "target": section_target,
+    "cost": section_cost, "nccl": section_nccl, "hang": section_hang}
 
 
 # -- main -------------------------------------------------------------------------------------------
