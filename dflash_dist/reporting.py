@@ -108,19 +108,20 @@ class Reporter(NullReporter):
             self.sinks.close()
 
     def evaluate(self, label: str, model) -> dict | None:
-        """tau by real draft-then-verify decoding on held-out prompts of the synthetic corpus (the drafter
-        asks only where `evaluates` says so; prepared data: `python -m dflash_dist.evaluate` after the run)."""
+        """tau by real draft-then-verify decoding on held-out prompts of the synthetic corpus, or on the
+        `train.eval_bench` set (the drafter asks only where `evaluates` says so; prepared data:
+        `python -m dflash_dist.evaluate` after the run)."""
         cfg = self.run.cfg
-        from dflash_dist.evaluate import acceptance_length, heldout_prompts
+        from dflash_dist.evaluate import training_eval  # train.eval_bench's set, else the synthetic held-out one
         t0 = time.time()
         # Under the training's autocast on CUDA: the attention then runs the graphs warmed up for training.
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.run.ctx.device.type == "cuda" \
             else contextlib.nullcontext()
         with autocast:
-            r = acceptance_length(self.run.target, model, heldout_prompts(cfg, cfg.train.eval_prompts),
-                                  cfg.train.eval_new_tokens)
-        log.info("acceptance length tau (%s drafter): %.3f over %d verify steps of %d held-out prompts; speculative "
+            r = training_eval(cfg, self.run.target, model)
+        log.info("acceptance length tau (%s drafter): %.3f over %d verify steps of %d prompts (%s); speculative "
                  "output %s the target's greedy output (%.1fs)", label, r["tau"], r["num_steps"], r["num_prompts"],
+                 r["prompt_set"],
                  "equals" if r["exact"] else f"DIFFERS ({r['mismatches']} prompts) from", time.time() - t0)
         return {k: r[k] for k in ("tau", "num_prompts", "num_steps", "exact", "mismatches")}
 
