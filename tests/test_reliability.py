@@ -248,6 +248,25 @@ def test_a_read_only_export_or_checkpoints_directory_is_a_config_error(tmp_path,
     assert list((tmp_path / sub).iterdir()) == []  # the probe is removed
 
 
+def test_an_export_that_cannot_be_written_is_a_clear_error_not_a_traceback(tmp_path, monkeypatch):
+    """An export/ made read-only during the run (at start it is probed): exit 2 saying what to do."""
+    from types import SimpleNamespace
+
+    from dflash_dist import reporting
+    from dflash_dist.train_state import Totals
+
+    def denied(spec, state, out_dir, **kw):
+        raise PermissionError(errno.EACCES, "Permission denied", str(out_dir / "model.safetensors"))
+    monkeypatch.setattr(reporting, "export_drafter", denied)
+    rep = reporting.Reporter.__new__(reporting.Reporter)  # only what export() reads
+    rep.run, rep.state, rep.run_dir = SimpleNamespace(cfg=load_config(None, []), spec=None), \
+        SimpleNamespace(totals=Totals()), tmp_path
+    with pytest.raises(ConfigError, match=r"cannot write the export to .*/export: Permission denied; the final "
+                                          r"checkpoint is saved: make the directory writable and start again with "
+                                          r"train.resume=auto, which writes the export"):
+        rep.export({"w": torch.zeros(2)})
+
+
 # -- signals ------------------------------------------------------------------------------------------
 
 @pytest.fixture
