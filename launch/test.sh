@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM=1 bash launch/setup.sh  # the regeneration and evaluation tests run vLLM for real
+bash launch/slurm_local.sh install  # slurm-wlm + munge (apt) where missing: tests/test_slurm.py starts a one-node cluster
 exec .venv/bin/python -m pytest -q "$@"
