@@ -13,7 +13,8 @@
 # the step's tasks, as proctrack/cgroup does on a production cluster, without needing a cgroup mount),
 # CRED_EXPIRE (AuthInfo cred_expire: a requeued job is eligible again only after it, + 1 s; default 120, as
 # Slurm's) and SCHED_INTERVAL (s between passes of the scheduler, which starts an eligible requeued job;
-# default 60, as Slurm's). The tests shorten the last two.
+# default 60, as Slurm's). The tests shorten the last two. EXTRA_CONF: more slurm.conf lines (e.g. a
+# preemption set-up: PreemptType, PreemptMode, partitions of this node with PriorityTier and GraceTime).
 set -euo pipefail
 
 install() {
@@ -69,6 +70,7 @@ MinJobAge=600
 SlurmdParameters=config_overrides
 NodeName=$host NodeAddr=127.0.0.1 CPUs=${CPUS:-64} State=UNKNOWN
 PartitionName=local Nodes=$host Default=YES MaxTime=INFINITE State=UP
+${EXTRA_CONF:-}
 EOF
 }
 
