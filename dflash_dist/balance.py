@@ -37,14 +37,14 @@ def balance_advice(target_compute_s: float, drafter_compute_s: float, batches: i
 def format_advice(a: dict) -> str:
     p = a.get("predicted") or {}
     model = (f" (cost model: target {p['target_s_per_batch'] * 1e3:.1f} ms, drafter {p['drafter_s_per_batch'] * 1e3:.1f} "
-             f"ms per batch on {p['device']}; best split {p['best_drafters_per_node']} drafters per node)") if p else ""
+             f"ms per batch on {p['device']}; best split {p.get('best_drafters_per_node')} drafters per node)") if p else ""
     if "bottleneck" not in a:
         return "balance: not enough measurements" + model
     line = (f"balance: bottleneck {a['bottleneck']} (targets wait {100 * a['wait_targets']:.0f}%, drafters wait "
             f"{100 * a['wait_drafters']:.0f}%); per batch measured: target {a['target_s_per_batch'] * 1e3:.1f} ms, "
             f"drafter {a['drafter_s_per_batch'] * 1e3:.1f} ms" + (
                 f"; predicted: target {p['target_s_per_batch'] * 1e3:.1f} ms, drafter "
-                f"{p['drafter_s_per_batch'] * 1e3:.1f} ms ({p['device']}; best split {p['best_drafters_per_node']})"
+                f"{p['drafter_s_per_batch'] * 1e3:.1f} ms ({p['device']}; best split {p.get('best_drafters_per_node')})"
                 if p else ""))
     if a["suggested_drafters_per_node"] != a["current_drafters_per_node"]:
         line += (f"; suggest roles.drafters_per_node={a['suggested_drafters_per_node']} "

@@ -460,11 +460,13 @@ SLOW_WARN = 1.3  # the configured split predicted this many times slower than th
 
 def start_message(fc: Forecast) -> tuple[bool, str]:
     """(warn, the start-of-run line): the predicted split and throughput for this layout."""
+    head = (f"cost model ({fc.device.name}, {fc.nodes} x {fc.gpus_per_node} GPUs): per batch target "
+            f"{fc.per_batch['target']['avg_s']:.3g} s, drafter {fc.per_batch['drafter']['avg_s']:.3g} s")
+    if not fc.splits:  # one rank per node (colocated): no split exists
+        return False, head
     best = fc.best
     b = fc.throughput(best["drafters_per_node"])
-    line = (f"cost model ({fc.device.name}, {fc.nodes} x {fc.gpus_per_node} GPUs): per batch target "
-            f"{fc.per_batch['target']['avg_s']:.3g} s, drafter {fc.per_batch['drafter']['avg_s']:.3g} s; best "
-            f"roles.drafters_per_node={best['drafters_per_node']}: {b['samples_per_s']:.3g} samples/s, "
+    line = (f"{head}; best roles.drafters_per_node={best['drafters_per_node']}: {b['samples_per_s']:.3g} samples/s, "
             f"{b['tokens_per_s']:.3g} tokens/s, MFU {100 * b['mfu']:.0f}%, {b['run_hours']:.3g} h")
     slow = fc.slowdown
     if slow is None:
@@ -512,10 +514,12 @@ def predicted_per_batch(fc: Forecast) -> dict:
     """What the end-of-run balance advice prints beside its measurements: seconds of an average batch per
     role (the drafter's own compute, as a drafter measures it; `drafter_step_s` adds the wait for the
     slowest drafter of a step at the configured split), and the split the model finds best."""
-    d = fc.configured if fc.configured in [x["drafters_per_node"] for x in fc.splits] else fc.best["drafters_per_node"]
-    return {"target_s_per_batch": fc.per_batch["target"]["avg_s"], "drafter_s_per_batch": fc.per_batch["drafter"]["avg_s"],
-            "drafter_step_s": fc.split(d)["drafter_step_s"], "best_drafters_per_node": fc.best["drafters_per_node"],
-            "device": fc.device.name}
+    out = {"target_s_per_batch": fc.per_batch["target"]["avg_s"], "drafter_s_per_batch": fc.per_batch["drafter"]["avg_s"],
+           "device": fc.device.name}
+    if fc.splits:
+        d = fc.configured if fc.configured in [x["drafters_per_node"] for x in fc.splits] else fc.best["drafters_per_node"]
+        out |= {"drafter_step_s": fc.split(d)["drafter_step_s"], "best_drafters_per_node": fc.best["drafters_per_node"]}
+    return out
 
 
 def start_of_run(cfg: Config, ds, layout, device, batches: int) -> dict | None:

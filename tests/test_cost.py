@@ -256,3 +256,16 @@ def test_gpu_check_cost_section_fails_outside_the_ratio_range(monkeypatch):
     with pytest.raises(AssertionError, match="target-heavy 2.00"):
         bench_cost.section_cost(rep, dry=True, deadline=float("inf"))
     assert [v for m, v, _ in rep.rows if m.endswith("ratio pred/meas")] == [2.0, 2.0]
+
+
+def test_one_rank_per_node_has_no_split_but_a_forecast():
+    """A colocated single-process run: the per-batch forecast, no split, no warning."""
+    from dflash_dist.data.synthetic import synthetic_dataset
+    from dflash_dist.topology import Layout
+    cfg = load_config(None, ["data.synthetic.num_samples=40", "roles.mode=colocated"])
+    ds = synthetic_dataset(cfg.data.synthetic, cfg.model.target.vocab_size)
+    fc = C.predict_run(cfg, ds, Layout(1, 1, 1, colocated=True), "cpu", batches=10)
+    assert fc.splits == [] and fc.configured is None
+    warn, line = C.start_message(fc)
+    assert not warn and "per batch target" in line and "best" not in line
+    assert "best_drafters_per_node" not in C.predicted_per_batch(fc)
