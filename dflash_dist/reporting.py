@@ -194,7 +194,7 @@ class Reporter(NullReporter):
                       "optim.lr (e.g. optim.lr=%g)%s", self.run.cfg.optim.lr / 10, moved)
 
     # -- rank 0's files: checkpoints (one copy of the whole state) and the export -----------------------
-    def save(self, full: dict) -> Path:
+    def save(self, full: dict) -> Path | None:
         run = self.run
         self.last_save = time.time()
         return self.state.write(full, run.cfg, run.ctx.layout, run.epoch_counts, run.plan_digests,

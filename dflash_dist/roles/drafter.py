@@ -318,7 +318,8 @@ class Drafter:
         path = self.save()
         self.reporter.stopped()
         log.warning("stopped on request at epoch %d batch %d (%s); %s", cursor.epoch + 1, cursor.batch,
-                    self.run.stop_flag.describe(), f"saved {path}" if path else "rank 0 saves the checkpoint")
+                    self.run.stop_flag.describe(), f"saved {path}" if path else "rank 0 saves the checkpoint"
+                    if self.run.ctx.rank else "no checkpoint: the last step was skipped, see above")
         return RoleResult(True, cursor, {"checkpoint": str(path) if path else None})
 
     def finish(self) -> RoleResult:
