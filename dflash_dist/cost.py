@@ -424,7 +424,7 @@ def forecast(cfg: Config, shapes: ModelShapes, ps: PlanSample, device: Device, e
              gpus_per_node: int = 8, nodes: int = 1, precision: Precision | None = None) -> Forecast:
     """Per-batch seconds of each role, every split of a node of `gpus_per_node` GPUs and its rate."""
     tp = max(1, cfg.model.target.tensor_parallel)
-    p = precision or Precision.from_config(cfg, "cpu" if device.name.startswith("CPU") else "cuda")
+    p = precision or Precision.from_config(cfg, "cuda")  # a GPU job's dtypes and attention path
     base = Sharding.from_config(cfg)
     targets, drafters = role_costs(cfg, shapes, ps.sample, p, base, nodes)
     t_s = float(np.mean([c.seconds(device, eff) for c in targets]))

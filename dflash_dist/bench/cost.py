@@ -53,13 +53,14 @@ RATIO_RANGE = (0.7, 1.4)  # predicted / measured drafter:target time ratio
 def rate_probes(sc, rows: int, dev) -> tuple[dict, dict]:
     """Probes of the device's rate for each kind of work at the scaled shape `sc` (bench.memory.Scaled), as
     ({name: fn}, {name: units of work per call}): a (rows, H) x (H, I) matmul; causal SDPA over one
-    sequence without grad (the target's "ref" path); a masked SDPA call of the drafter's "sdpa" path
-    (SDPA_GROUP blocks against half a sequence of context) forward and backward; an in-place multiply
-    over 64 MiB (bytes read and written). In the compute dtype of `sc` (bf16 or float32)."""
+    sequence without grad (the target's "ref" path's call); the drafter's "sdpa" path over SDPA_GROUP
+    blocks against half a sequence of context, forward and backward; an in-place multiply over 64 MiB
+    (bytes read and written). In the compute dtype of `sc` (bf16 or float32)."""
     import torch
     import torch.nn.functional as F
 
     from dflash_dist.memory import SDPA_GROUP
+    from dflash_dist.models.attention import _sdpa_block
     dt = torch.bfloat16 if sc.bf16 else torch.float32
     g = torch.Generator(device=dev).manual_seed(0)
 
@@ -71,8 +72,12 @@ def rate_probes(sc, rows: int, dev) -> tuple[dict, dict]:
     q, k, v = rnd(1, h, L, d), rnd(1, hkv, L, d), rnd(1, hkv, L, d)
     nq = SDPA_GROUP * 16
     keys = L // 2 + nq
-    qb, kb, vb = rnd(1, h, nq, d, grad=True), rnd(1, hkv, keys, d, grad=True), rnd(1, hkv, keys, d, grad=True)
-    mask = torch.rand(nq, keys, generator=g, device=dev) < 0.6
+    # the drafter's own "sdpa" path (models.attention._sdpa_block, as it runs on this device: on CUDA the
+    # memory-efficient kernel with grouped heads folded) over one run of SDPA_GROUP blocks
+    q_blk, k_blk, v_blk = rnd(SDPA_GROUP, 16, h, d, grad=True), rnd(SDPA_GROUP, 16, hkv, d), rnd(SDPA_GROUP, 16, hkv, d)
+    k_ctx, v_ctx = rnd(L // 2, hkv, d, grad=True), rnd(L // 2, hkv, d, grad=True)
+    ctx_end = torch.full((SDPA_GROUP,), L // 2, device=dev)
+    runs = ((0, SDPA_GROUP, 0, L // 2),)
     x = rnd(1 << (24 if dt == torch.float32 else 25))
 
     def causal():
@@ -80,7 +85,7 @@ def rate_probes(sc, rows: int, dev) -> tuple[dict, dict]:
             F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
     def block():
-        F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, enable_gqa=True).sum().backward()
+        _sdpa_block(q_blk, k_ctx, v_ctx, k_blk, v_blk, ctx_end, runs).float().sum().backward()
 
     fns = {"matmul": lambda: a @ b, "causal_attention": causal, "block_attention": block,
            "memory": lambda: x.mul_(1.0)}
@@ -124,19 +129,30 @@ def _scaled_job(sc, dev):
 def validate_shape(overrides: dict, reps: int = 3, device: str = "cpu") -> dict:
     """Predicted and measured seconds of one target capture and one drafter step (+ AdamW) at a scaled
     shape (on CPU: VALIDATE_BASE, float32; on CUDA: GPU_VALIDATE_BASE, bf16), both on the "sdpa" paths
-    (no compile), and their drafter:target ratios."""
+    (nothing compiles), and their drafter:target ratios."""
     import torch
 
     from dflash_dist.bench.memory import Scaled
-    from dflash_dist.capture import capture_for_drafter
-    from dflash_dist.config import loss_gamma
-    from dflash_dist.memory import Sharding
     from dflash_dist.models import attention as attn
-    from dflash_dist.models.build import build_drafter, draft_spec
-    from dflash_dist.step import drafter_step
 
     dev = torch.device(device)
     sc = Scaled(**((GPU_VALIDATE_BASE if dev.type == "cuda" else VALIDATE_BASE) | overrides))
+    attn.backend.use("sdpa")
+    try:
+        return _measure_and_predict(sc, reps, dev)
+    finally:
+        attn.backend.use(None)
+
+
+def _measure_and_predict(sc, reps: int, dev) -> dict:
+    import torch
+
+    from dflash_dist.capture import capture_for_drafter
+    from dflash_dist.config import loss_gamma
+    from dflash_dist.memory import Sharding
+    from dflash_dist.models.build import build_drafter, draft_spec
+    from dflash_dist.step import drafter_step
+
     cfg, target, batch, anchors, anchor_cu, shape = _scaled_job(sc, dev)
     spec = draft_spec(cfg, target)
     layer_ids = list(spec.target_layer_ids)
@@ -156,14 +172,12 @@ def validate_shape(overrides: dict, reps: int = 3, device: str = "cpu") -> dict:
     # On CPU one thread: CPU time then counts work, not the spin-waits of idle intra-op threads.
     probes, work = rate_probes(sc, batch.num_tokens, dev)
     threads = torch.get_num_threads()
-    attn.backend.use("sdpa")
     try:
         if dev.type == "cpu":
             torch.set_num_threads(1)
         measured = min_interleaved({"target": lambda: capture_for_drafter(target, batch, layer_ids, cfg.objective, dt),
                                     "drafter": run_drafter, **probes}, reps, dev)
     finally:
-        attn.backend.use(None)
         torch.set_num_threads(threads)
     rates, eff = measured_rates(measured, work, dev.type.upper())
     shapes, prec = model_shapes(cfg), replace(sc.precision, device=dev.type)
