@@ -124,6 +124,11 @@ class RoleCost:
         return sum(t.amount for t in self.terms.values() if t.kind in COMPUTE)
 
     @property
+    def bytes(self) -> float:
+        """Bytes moved: element-wise work's, and between GPUs."""
+        return sum(t.amount for t in self.terms.values() if t.kind not in COMPUTE)
+
+    @property
     def useful_flops(self) -> float:
         return sum(t.amount if t.useful is None else t.useful for t in self.terms.values() if t.kind in COMPUTE)
 
@@ -368,7 +373,8 @@ class Forecast:
     gpus_per_node: int
     nodes: int
     tensor_parallel: int
-    per_batch: dict[str, dict[str, float]]  # role -> avg_s, worst_s, tflop, worst_tflop (target: one replica)
+    per_batch: dict[str, dict[str, float]]  # role -> avg_s, worst_s, tflop, worst_tflop, gbytes, worst_gbytes
+    # (the target: TFLOP of a whole replica, seconds and bytes of one of its ranks)
     splits: list[dict]  # one per drafters_per_node candidate
     configured: int | None  # roles.drafters_per_node (None: colocated)
     useful_tflop: float  # model FLOPs of an average batch, both roles
@@ -434,10 +440,12 @@ def forecast(cfg: Config, shapes: ModelShapes, ps: PlanSample, device: Device, e
     per_batch = {
         "target": {"avg_s": t_s, "worst_s": worst_t[0].seconds(device, eff),
                    "tflop": tp * float(np.mean([c.flops for c in targets])) / 1e12,
-                   "worst_tflop": tp * worst_t[0].flops / 1e12},
+                   "worst_tflop": tp * worst_t[0].flops / 1e12,
+                   "gbytes": float(np.mean([c.bytes for c in targets])) / 1e9, "worst_gbytes": worst_t[0].bytes / 1e9},
         "drafter": {"avg_s": float(np.mean(d_batch)), "worst_s": worst_d[0].seconds(device, eff, exclude=STEP_TERMS),
                     "tflop": float(np.mean([c.flops for c in drafters])) / 1e12,
-                    "worst_tflop": worst_d[0].flops / 1e12},
+                    "worst_tflop": worst_d[0].flops / 1e12,
+                    "gbytes": float(np.mean([c.bytes for c in drafters])) / 1e9, "worst_gbytes": worst_d[0].bytes / 1e9},
     }
     splits = []
     for d in candidate_splits(gpus_per_node, tp):

@@ -277,9 +277,9 @@ def _table(rows: list[list[str]]) -> str:
 def report(fc: C.Forecast) -> str:
     """The roles, the splits and the throughput, as text."""
     pb = fc.per_batch
-    roles = [["role", "TFLOP/batch", "s/batch", "worst TFLOP", "worst s"]] + [
-        [r, f"{v['tflop']:.0f}", f"{v['avg_s']:.3f}", f"{v['worst_tflop']:.0f}", f"{v['worst_s']:.3f}"]
-        for r, v in pb.items()]
+    roles = [["role", "TFLOP/batch", "GB moved", "s/batch", "worst TFLOP", "worst GB", "worst s"]] + [
+        [r, f"{v['tflop']:.0f}", f"{v['gbytes']:.0f}", f"{v['avg_s']:.3f}", f"{v['worst_tflop']:.0f}",
+         f"{v['worst_gbytes']:.0f}", f"{v['worst_s']:.3f}"] for r, v in pb.items()]
     splits = [["drafters/node", "target replicas", "drafter step s", "batches/s", "samples/s", "bottleneck"]] + [
         [str(x["drafters_per_node"]) + (" (best)" if x is fc.best else "")
          + (" (config)" if x["drafters_per_node"] == fc.configured else ""),
