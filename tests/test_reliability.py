@@ -503,7 +503,7 @@ def _every_rank_says(out, text):
 
 @pytest.mark.slow  # whole runs under torchrun
 def test_nothing_to_train_is_exit_2_on_every_rank(tmp_path):
-    rc, out = _torchrun(["plan.token_budget=30"], tmp_path / "run")  # every sample has 40+ tokens
+    rc, out = _torchrun(["plan.token_budget=19"], tmp_path / "run")  # every sample has 20+ tokens
     assert rc != 0 and "exitcode  : 2" in out, out[-3000:]
     assert _every_rank_says(out, "cannot start: nothing to train: epoch 1 of 1 has no batch: the plan skips 160 of "
                                  "160 samples: over_budget 160"), out[-3000:]
