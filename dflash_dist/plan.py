@@ -343,19 +343,27 @@ class PlanCount:
     plans: list[BatchPlan]  # the plans themselves, for the rest of start-up (the memory pre-flight)
 
 
+def plan_shape(plan: BatchPlan, lengths) -> dict:
+    """Samples and real tokens per batch of a plan (mean, min, max), as the run report draws them per epoch."""
+    seqs = np.diff(plan.offsets)
+    if not len(seqs):
+        return {}
+    cum = np.concatenate([[0], np.cumsum(np.asarray(lengths)[plan.indices])])
+    toks = cum[plan.offsets[1:]] - cum[plan.offsets[:-1]]
+    return {"samples_mean": float(seqs.mean()), "samples_min": int(seqs.min()), "samples_max": int(seqs.max()),
+            "tokens_mean": float(toks.mean()), "tokens_min": int(toks.min()), "tokens_max": int(toks.max())}
+
+
 def count_epochs(ds, cfg) -> PlanCount:
     """Rank 0: build every epoch's plan once, log its shape, keep its count and fingerprint."""
     plans = [plan_for_epoch(ds, cfg, e) for e in range(cfg.train.epochs)]
-    lengths = np.asarray(ds.lengths)
     for p in plans:
-        seqs = np.diff(p.offsets)
-        cum = np.concatenate([[0], np.cumsum(lengths[p.indices])])
-        toks = cum[p.offsets[1:]] - cum[p.offsets[:-1]]
         if len(p):
+            sh = plan_shape(p, ds.lengths)
             log.info("epoch %d plan: %d batches; samples per batch mean %.1f min %d max %d; real tokens per batch "
-                     "mean %.0f min %d max %d (%.1f%% of plan.token_budget)", p.epoch + 1, len(p), seqs.mean(),
-                     seqs.min(), seqs.max(), toks.mean(), toks.min(), toks.max(),
-                     100 * toks.mean() / cfg.plan.token_budget)
+                     "mean %.0f min %d max %d (%.1f%% of plan.token_budget)", p.epoch + 1, len(p), sh["samples_mean"],
+                     sh["samples_min"], sh["samples_max"], sh["tokens_mean"], sh["tokens_min"], sh["tokens_max"],
+                     100 * sh["tokens_mean"] / cfg.plan.token_budget)
     return PlanCount([len(p) for p in plans], dict(plans[0].skipped) if plans else {},
                      [plan_digest(p) for p in plans], plans)
 

@@ -11,7 +11,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from dflash_dist import checkpoint
@@ -23,7 +22,7 @@ from dflash_dist.export import export_drafter, write_model_card
 from dflash_dist.fsutil import write_json
 from dflash_dist.models import attention
 from dflash_dist.monitor import Monitor, Progress, Sinks
-from dflash_dist.plan import BatchPlan
+from dflash_dist.plan import BatchPlan, plan_shape
 from dflash_dist.run import RunSetup
 from dflash_dist.schedule import EpochSchedule
 from dflash_dist.stats import StepStats, wait_fraction
@@ -287,14 +286,3 @@ def evaluates(cfg) -> bool:
 
 def make_reporter(run: RunSetup, state: TrainState, total_steps: int) -> NullReporter:
     return Reporter(run, state, total_steps) if run.ctx.rank == 0 else NullReporter()
-
-
-def plan_shape(plan: BatchPlan, lengths) -> dict:
-    """Samples and real tokens per batch of a plan (mean, min, max), as the run report draws them per epoch."""
-    seqs = np.diff(plan.offsets)
-    if not len(seqs):
-        return {}
-    cum = np.concatenate([[0], np.cumsum(np.asarray(lengths)[plan.indices])])
-    toks = cum[plan.offsets[1:]] - cum[plan.offsets[:-1]]
-    return {"samples_mean": float(seqs.mean()), "samples_min": int(seqs.min()), "samples_max": int(seqs.max()),
-            "tokens_mean": float(toks.mean()), "tokens_min": int(toks.min()), "tokens_max": int(toks.max())}
