@@ -6,13 +6,13 @@ reference is one process's plain step on the merged batch (its own weight sum). 
 idle tail drafter and with anchor chunks.
 """
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dflash_dist.bench.transport import free_port
 from dflash_dist.data.collate import PackedBatch
 from dflash_dist.models.drafter import DFlashDrafter, DraftSpec
 from dflash_dist.objective import anchor_generator, draw_anchors
@@ -91,17 +91,11 @@ def _worker(rank, world, port, kind, num_batches, chunk, out):
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow  # several processes
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
 @pytest.mark.parametrize("world, num_batches, chunk", [(2, 2, 0), (3, 2, 2), (3, 3, 1)])
 def test_a_step_of_several_drafters_is_one_batch_of_all_their_samples(tmp_path, kind, world, num_batches, chunk):
-    out, port = tmp_path / "grads.pt", _free_port()
+    out, port = tmp_path / "grads.pt", free_port()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_worker, args=(r, world, port, kind, num_batches, chunk, str(out)))
              for r in range(world)]

@@ -16,11 +16,10 @@ under the old rule (its only candidate is B - 1 tokens before it), at every slot
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import numpy as np
 
+from dflash_dist.bench.jobs import write_json
 from dflash_dist.data.synthetic import chat_lengths
 
 
@@ -85,11 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     mixes = {f"chat mix ({args.samples:,})": chat_lengths(args.samples, args.token_budget, args.seed),
              f"short 8-30 tokens ({args.short_samples:,})": short_mix(args.short_samples, args.seed)}
     res = {"block_size": B, "num_anchors": A, "mixes": {k: reach(*v, B, A) for k, v in mixes.items()}}
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
+    write_json(args.json, res)
     print(report(res))
-    print(f"\nwrote {out}")
+    print(f"\nwrote {args.json}")
     return 0
 
 
