@@ -173,3 +173,27 @@ def test_cli_reports_tau_table_and_json(tmp_path, capsys):
     # Default prompts: held-out synthetic ones.
     assert main(["--draft", str(tmp_path / "draft"), "--max-new-tokens", "4", "--num-prompts", "3"]) == 0
     assert capsys.readouterr().out.splitlines()[1].startswith("synthetic-heldout")
+
+
+def test_eval_bench_errors_name_the_key(tmp_path):
+    from dflash_dist.config import ConfigError
+    from dflash_dist.evaluate import training_eval
+    cfg, target, spec = setup(block_size=4)
+    drafter = build_drafter(spec, target, seed=0, device=CPU)
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text('{"turns": ["hi"]}\n')
+    with pytest.raises(ConfigError, match=r"'train.eval_bench': .*chat.jsonl: conversation prompts need a transformers"):
+        training_eval(load_config(overrides=[f"train.eval_bench={chat}", "objective.block_size=4"]), target, drafter)
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text("[1, 2, 3]\n[4, 5, 6, 7]\n[8]\n")
+    r = training_eval(load_config(overrides=[f"train.eval_bench={ids}", "train.eval_prompts=2",
+                                             "train.eval_new_tokens=6", "objective.block_size=4"]), target, drafter)
+    assert r["prompt_set"] == "ids" and r["num_prompts"] == 2 and r["new_tokens"] == 12 and r["exact"]
+
+
+def test_bench_evaluate_smoke(tmp_path):
+    """The benchmark's own check at a small size: both decoders and greedy agree; JSON written."""
+    from dflash_dist.bench.evaluate import main as bench
+    bench(["--prompt-len", "24", "--new-tokens", "10", "--reps", "1", "--json", str(tmp_path / "b.json")])
+    rows = json.loads((tmp_path / "b.json").read_text())["rows"]
+    assert [r["equal"] for r in rows] == [True, True] and all(r["seconds"]["cached"] > 0 for r in rows)

@@ -55,13 +55,20 @@ def training_eval(cfg, target, drafter) -> dict:
         r = acceptance_length(target, drafter, heldout_prompts(cfg, cfg.train.eval_prompts), cfg.train.eval_new_tokens)
         r["prompt_set"] = "synthetic-heldout"
         return r
-    from dflash_dist.evaluation.prompts import default_bench_dir, load_bench
-    pset = load_bench(cfg.train.eval_bench, default_bench_dir()).limit(cfg.train.eval_prompts)
-    pset.check_vocab(target.vocab_size)
-    chat = None
-    if pset.kind == "turns":
-        from dflash_dist.evaluation.chat import Chat
-        chat = Chat(cfg.model.target.path, thinking=False)
+    from dflash_dist.config import ConfigError
+    from dflash_dist.evaluation.prompts import EvalInputError, default_bench_dir, load_bench
+    try:  # found at the first (untrained) evaluation, before training: the run's bad-input exit
+        pset = load_bench(cfg.train.eval_bench, default_bench_dir()).limit(cfg.train.eval_prompts)
+        pset.check_vocab(target.vocab_size)
+        chat = None
+        if pset.kind == "turns":
+            if not hasattr(target, "hf"):
+                raise EvalInputError(f"{pset.source}: conversation prompts need a transformers target with a "
+                                     "tokenizer (model.target.kind=hf)")
+            from dflash_dist.evaluation.chat import Chat
+            chat = Chat(cfg.model.target.path, thinking=False)
+    except EvalInputError as exc:
+        raise ConfigError(f"config key 'train.eval_bench': {exc}") from exc
     r = set_tau(target, drafter, pset, chat, cfg.train.eval_new_tokens)
     r["prompt_set"] = pset.name
     return r
