@@ -122,7 +122,7 @@ class Reporter(NullReporter):
                  "output %s the target's greedy output (%.1fs)", label, r["tau"], r["num_steps"], r["num_prompts"],
                  r["prompt_set"],
                  "equals" if r["exact"] else f"DIFFERS ({r['mismatches']} prompts) from", time.time() - t0)
-        return {k: r[k] for k in ("tau", "num_prompts", "num_steps", "exact", "mismatches")}
+        return {k: r[k] for k in ("tau", "num_prompts", "num_steps", "exact", "mismatches", "prompt_set")}
 
     def begin_training(self) -> None:
         self.progress.started = time.time()  # rates and ETA count training time only

@@ -72,3 +72,17 @@ def test_vllm_serves_the_export_with_the_hf_engines_acceptance(setup, hf_one_ran
         assert abs(v["tau"] - h["tau"]) <= 0.01 * h["tau"], name
         assert v["exact"] and v["speedup"] > 0, name  # vLLM's speculative output == its target-only output
     assert sum(vl["overall"]["accepted_per_position"]) > 0  # a drafter that is right some of the time
+
+
+def test_training_summary_tau_on_eval_bench(tmp_path):
+    """train.eval_bench: the run's own tau before and after training comes from that prompt set."""
+    from helpers import torchrun
+    bench = write_jsonl(tmp_path / "mine.jsonl", IDS)
+    res = torchrun(2, ["train.epochs=1", "data.synthetic.regenerate=false", "train.eval_prompts=3",
+                       "train.eval_new_tokens=12", f"train.eval_bench={bench}"], tmp_path / "run", timeout=240)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    for key in ("tau_untrained", "tau_trained"):
+        r = summary[key]
+        assert r["prompt_set"] == "mine" and r["num_prompts"] == 3 and r["exact"] and r["tau"] >= 1.0, r
+        assert r["num_steps"] >= 3  # 12 new tokens per prompt, at most a block (16) per step

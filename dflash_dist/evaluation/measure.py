@@ -47,6 +47,25 @@ def set_tau(target, drafter, pset: PromptSet, chat, max_new_tokens: int) -> dict
     return r
 
 
+def eval_bench_set(cfg, target):
+    """(PromptSet, Chat or None) of `train.eval_bench`, checked against the target: a ConfigError naming the
+    key when the run cannot use it. Cheap (no decoding): `train.build` can call it before any rank waits."""
+    from dflash_dist.config import ConfigError
+    from dflash_dist.evaluation.prompts import EvalInputError, default_bench_dir, load_bench
+    try:
+        pset = load_bench(cfg.train.eval_bench, default_bench_dir()).limit(cfg.train.eval_prompts)
+        pset.check_vocab(target.vocab_size)
+        if pset.kind != "turns":
+            return pset, None
+        if not hasattr(target, "hf"):
+            raise EvalInputError(f"{pset.source}: conversation prompts need a transformers target with a "
+                                 "tokenizer (model.target.kind=hf)")
+        from dflash_dist.evaluation.chat import Chat
+        return pset, Chat(cfg.model.target.path, thinking=False)
+    except EvalInputError as exc:
+        raise ConfigError(f"config key 'train.eval_bench': {exc}") from exc
+
+
 def training_eval(cfg, target, drafter) -> dict:
     """What the run's summary records: on `train.eval_bench` when set (its first `train.eval_prompts`
     prompts), else on the synthetic held-out set; float per-prompt figures are left out."""
@@ -55,20 +74,7 @@ def training_eval(cfg, target, drafter) -> dict:
         r = acceptance_length(target, drafter, heldout_prompts(cfg, cfg.train.eval_prompts), cfg.train.eval_new_tokens)
         r["prompt_set"] = "synthetic-heldout"
         return r
-    from dflash_dist.config import ConfigError
-    from dflash_dist.evaluation.prompts import EvalInputError, default_bench_dir, load_bench
-    try:  # found at the first (untrained) evaluation, before training: the run's bad-input exit
-        pset = load_bench(cfg.train.eval_bench, default_bench_dir()).limit(cfg.train.eval_prompts)
-        pset.check_vocab(target.vocab_size)
-        chat = None
-        if pset.kind == "turns":
-            if not hasattr(target, "hf"):
-                raise EvalInputError(f"{pset.source}: conversation prompts need a transformers target with a "
-                                     "tokenizer (model.target.kind=hf)")
-            from dflash_dist.evaluation.chat import Chat
-            chat = Chat(cfg.model.target.path, thinking=False)
-    except EvalInputError as exc:
-        raise ConfigError(f"config key 'train.eval_bench': {exc}") from exc
+    pset, chat = eval_bench_set(cfg, target)
     r = set_tau(target, drafter, pset, chat, cfg.train.eval_new_tokens)
     r["prompt_set"] = pset.name
     return r
