@@ -2,14 +2,11 @@
 on the synthetic held-out set or, with `train.eval_bench`, on a prompt set of the user's."""
 from __future__ import annotations
 
-import logging
 from typing import Sequence
 
 from dflash_dist.evaluation.hf_engine import Options, decode_answer
 from dflash_dist.evaluation.prompts import PromptSet
 from dflash_dist.evaluation.results import Tally
-
-log = logging.getLogger(__name__)
 
 
 def acceptance_length(target, drafter, prompts: Sequence[Sequence[int]], max_new_tokens: int,
