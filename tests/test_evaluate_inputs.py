@@ -126,3 +126,32 @@ def test_exit_code_of_the_real_command(tmp_path, draft):
     res = subprocess.run([sys.executable, "-m", "dflash_dist.evaluate", "--draft", str(draft), "--bench", path, B4],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and f"{path}:2: token id 1000" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_named_benchmarks_are_cached_as_turns_files(tmp_path, monkeypatch):
+    """With `datasets` reachable (a stand-in here: CI has no Hub), each public set becomes NAME.jsonl in the
+    conversation format, worded as z-lab's benchmark sends it; mt-bench keeps its turns."""
+    import types
+    from dflash_dist.evaluation.prompts import load_bench
+    rows = {"openai/gsm8k": [{"question": "2 + 3?"}], "HuggingFaceH4/MATH-500": [{"problem": "x^2 = 4"}],
+            "openai/openai_humaneval": [{"prompt": "def f(x):\n"}], "google-research-datasets/mbpp": [{"prompt": "sort it"}],
+            "HuggingFaceH4/mt_bench_prompts": [{"prompt": ["first", "second"]}]}
+    calls = []
+
+    def load_dataset(name, *config, split):
+        calls.append((name, config, split))
+        return rows[name]
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    step = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+    want = {"gsm8k": [["2 + 3?" + step]], "math500": [["x^2 = 4" + step]],
+            "humaneval": [["Write a solution to the following problem and make sure that it passes the tests:\n"
+                           "```python\ndef f(x):\n\n```"]],
+            "mbpp": [["sort it"]], "mt-bench": [["first", "second"]]}
+    for name, items in want.items():
+        pset = load_bench(name, tmp_path)
+        assert (pset.name, pset.kind, pset.items) == (name, "turns", items)
+        assert json.loads((tmp_path / f"{name}.jsonl").read_text().splitlines()[0]) == {"turns": items[0]}
+    assert ("openai/gsm8k", ("main",), "test") in calls and ("google-research-datasets/mbpp", ("sanitized",), "test") in calls
+    n = len(calls)
+    load_bench("gsm8k", tmp_path)  # cached: not loaded again
+    assert len(calls) == n
