@@ -1,7 +1,7 @@
 """slurm/train.sbatch and launch/run.sh. Under a real one-node Slurm started here (launch/slurm_local.sh:
-slurmctld, slurmd and munged from Debian's slurm-wlm and munge): a job that completes; a warning signal
-sent by hand and then a rank killed -9, each requeued and resumed to the uninterrupted weights; Slurm's
-own time-limit warning, the same; a plain scancel that saves and stays cancelled. Without Slurm: run.sh's
+slurmctld, slurmd and munged from Debian's slurm-wlm and munge): a job that completes; one job stopped by
+Slurm's own time-limit warning, then by a warning sent by hand, then by a rank killed -9, requeued and
+resumed each time to the uninterrupted weights; a plain scancel that saves and stays cancelled. Without Slurm: run.sh's
 exit code from its workers', the torchrun command per node (two nodes through a fake srun: one machine
 cannot be two nodes), the shutdown grace torchrun really gives a worker."""
 import os
@@ -22,10 +22,11 @@ from slurm_cluster import SBATCH, SlurmCluster
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / "launch" / "run.sh"
 
-# The Slurm tests' job: about 50 s of training on the idle 2-core CPU machine (100 s when it is busy),
-# long enough for the time-limit warning, which Slurm sends 30-60 s after the start of a 2-minute job
-# with --signal=USR2@60, to land during training whatever the start-up takes (12-25 s).
-JOB = helpers.TINY + ["train.epochs=4", "data.synthetic.num_samples=3000", "data.synthetic.regenerate=false",
+# The Slurm tests' job: 1754 steps, at most 31 a second on the idle 2-core CPU machine (12 when it is
+# busy), so about a minute of training at least: long enough for the time-limit warning, which Slurm
+# sends 25-56 s after the start of a 2-minute job with --signal=USR2@65 (it checks limits every 30 s),
+# to land during training, after the start-up (6 s idle, 17 s busy).
+JOB = helpers.TINY + ["train.epochs=8", "data.synthetic.num_samples=3000", "data.synthetic.regenerate=false",
                       "train.sync_every=2", "train.checkpoint_every_steps=50", "monitor.interval_s=0.5",
                       "dist.dead_after_s=3", "dist.heartbeat_s=0.5"]
 SLURM_ENV = {"NPROC": "3", "OMP_NUM_THREADS": "1"}
@@ -89,29 +90,36 @@ def test_a_job_completes(cluster, completed):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_warning_by_hand_then_a_killed_rank_both_requeue_and_resume_exactly(cluster, completed, tmp_path):
-    """`scancel --signal=USR2 --batch`: the script passes the stop to the step; the ranks save and exit 75;
-    the job requeues and resumes. Then a rank killed -9: the others exit, the job requeues as a failure
-    (counted) and resumes from the last periodic checkpoint. The weights end bitwise as uninterrupted."""
-    job, log, run_dir = run_job(cluster, tmp_path)
-    training_started(run_dir)
+@pytest.mark.timeout(1200)
+def test_time_limit_warning_a_stop_by_hand_and_a_killed_rank_each_requeue_and_resume_exactly(
+        cluster, completed, tmp_path):
+    """One job, stopped three ways, resumed each time; the weights end bitwise as uninterrupted.
+    1. A 2-minute limit with --signal=USR2@65: Slurm itself sends the warning to the step (nobody else
+       signals anything); the ranks save and exit 75; the script requeues. The limit is then raised (as
+       an operator would) so that the resumed job is not warned again: that would only repeat step 1.
+    2. `scancel --signal=USR2 --batch`: the script passes the stop to the step; the same.
+    3. A rank killed -9: the others exit, the script requeues it as a failure (counted) and it resumes
+       from the last periodic checkpoint."""
+    job, log, run_dir = run_job(cluster, tmp_path, ["--time=2", "--signal=USR2@65"])
+    wait_for(lambda: cluster.job(job)["Restarts"] == "1", 300, "the time-limit warning's requeue")
+    cluster.run("scontrol", "update", f"JobId={job}", "TimeLimit=30")
+    training_started(run_dir, max(steps_saved(run_dir)))
     cluster.signal(job, "--signal=USR2", "--batch")
-    cluster.wait(job, {"PENDING"}, 120)  # requeued
-    stopped_at = max(steps_saved(run_dir))
-    # The resumed job: kill a target rank once it has saved a checkpoint of its own.
-    training_started(run_dir, stopped_at)
+    wait_for(lambda: cluster.job(job)["Restarts"] == "2", 120, "the requeue after the stop by hand")
+    training_started(run_dir, max(steps_saved(run_dir)))
     rank2 = wait_for(lambda: worker_pid(job, rank=2), 30, "rank 2 of the resumed job")
     os.kill(rank2, signal.SIGKILL)
     info, out = finish(cluster, job, log, 600)
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "2"), out[-4000:]
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "3"), out[-4000:]
     assert info["Comment"] == "dflash-failures=1"
-    assert "slurm: SIGUSR2 to the batch script: sending it to the training step" in out
-    assert out.count("dflash_dist.stop: received SIGUSR2") == 3, "every rank gets the stop request"
-    assert "local ranks' exit codes: 75 75 75 -> exit 75" in out
-    assert "training stopped with its state saved (exit 75); requeueing" in out
-    assert re.search(r"training failed with exit \d+ \(failure 1 of at most 2 requeued\); requeueing", out), out[-4000:]
-    assert len(re.findall(r"\[rank0 drafter\] dflash_dist.roles.drafter: resumed from", out)) == 2
+    by_slurm = re.search(r"stopped on request at epoch \d+ batch \d+ \(SIGUSR2 received here", out)
+    assert by_slurm and by_slurm.start() < out.index("slurm: SIGUSR2 to the batch script"), \
+        "the first stop is Slurm's own warning"
+    assert out.count("dflash_dist.stop: received SIGUSR2") == 6, "every rank gets each stop request"
+    assert out.count("local ranks' exit codes: 75 75 75 -> exit 75") == 2
+    assert out.count("training stopped with its state saved (exit 75); requeueing") == 2
+    assert re.search(r"training failed with exit \d+ \(failure 1 of at most 2 requeued\); requeueing", out)
+    assert len(re.findall(r"\[rank0 drafter\] dflash_dist.roles.drafter: resumed from", out)) == 3
     assert final_digest(out) == final_digest(completed[1])
 
 
@@ -124,24 +132,6 @@ def worker_pid(job: int, rank: int) -> int | None:
         if env.get("SLURM_JOB_ID") == str(job) and env.get("RANK") == str(rank) and "LOCAL_RANK" in env:
             return p.pid
     return None
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_time_limit_warning_stops_requeues_and_the_job_finishes(cluster, completed, tmp_path):
-    """A 2-minute limit with --signal=USR2@60: Slurm itself sends the warning to the step; nobody else
-    signals anything. Once requeued, the limit is raised (as an operator would) only so that the resumed
-    job is not stopped again, which would work the same way and make the test longer."""
-    job, log, run_dir = run_job(cluster, tmp_path, ["--time=2", "--signal=USR2@60"])
-    wait_for(lambda: cluster.job(job)["Restarts"] != "0", 300, "the warning's requeue")
-    cluster.run("scontrol", "update", f"JobId={job}", "TimeLimit=15")
-    info, out = finish(cluster, job, log, 600)
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), out[-4000:]
-    assert out.count("dflash_dist.stop: received SIGUSR2") == 3
-    assert "training stopped with its state saved (exit 75); requeueing" in out
-    assert re.search(r"stopped on request at epoch \d+ batch \d+ \(SIGUSR2 received here", out), "the warning stopped it"
-    assert final_digest(out) == final_digest(completed[1])
-
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
