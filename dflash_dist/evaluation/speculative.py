@@ -17,6 +17,8 @@ from typing import Sequence
 import torch
 
 from dflash_dist.decode import sequence_cache
+from dflash_dist.models.attention import packed_block_attention, prepare_block_attention
+from dflash_dist.models.qwen3 import apply_rope, rope_cos_sin
 
 
 @dataclass
@@ -27,22 +29,48 @@ class Decoded:
 
 
 class ContextDrafter:
-    """A DFlashDrafter whose fused context rows (fc + norm of the target features) are kept between steps:
-    each committed position's row is computed once, as the engines do."""
+    """A DFlashDrafter with a cache of its context, as the engines keep one: each committed position's
+    fused context row (fc + norm of its target features) and, per draft layer, its key (k_norm, RoPE at its
+    position) and value are computed once; a proposal then runs only the block's B rows through the
+    layers. The layer below is DraftLayer.forward with the context part read from that cache (tests hold
+    it to the full-recompute reference, step for step)."""
 
-    def __init__(self, drafter):
-        self.drafter, self.ctx = drafter, None
+    def __init__(self, drafter, capacity: int):
+        self.drafter, self.capacity, self.n = drafter, capacity, 0
+        self.K: list[torch.Tensor] = []
+        self.V: list[torch.Tensor] = []
 
     def add(self, feats: torch.Tensor) -> None:
-        rows = self.drafter.context(feats)
-        self.ctx = rows if self.ctx is None else torch.cat([self.ctx, rows])
+        d, s = self.drafter, self.drafter.spec
+        rows = d.context(feats)
+        m = rows.shape[0]
+        if not self.K:  # the context's dtype (bf16 under autocast): known at the first rows
+            self.K = [rows.new_zeros(self.capacity, s.num_kv_heads, s.head_dim) for _ in d.layers]
+            self.V = [rows.new_zeros(self.capacity, s.num_kv_heads, s.head_dim) for _ in d.layers]
+        cos, sin = rope_cos_sin(torch.arange(self.n, self.n + m, device=rows.device), s.head_dim, s.rope_theta,
+                                rows.dtype)
+        for layer, K, V in zip(d.layers, self.K, self.V):
+            a = layer.self_attn
+            K[self.n:self.n + m], V[self.n:self.n + m] = apply_rope(a.k(rows), cos, sin), a.v(rows)
+        self.n += m
 
     def propose(self, seq: Sequence[int]) -> list[int]:
-        d, anchor, dev = self.drafter, len(seq) - 1, self.ctx.device
-        ids = torch.tensor(list(seq), dtype=torch.long, device=dev)
-        hidden = d.draft_hidden(self.ctx[:anchor], ids, torch.arange(anchor + 1, device=dev),
-                                torch.tensor([anchor], device=dev), torch.zeros(1, dtype=torch.long, device=dev))
-        return d.lm_head(hidden.to(d.lm_head.weight.dtype))[0, 1:].argmax(-1).tolist()
+        d, s = self.drafter, self.drafter.spec
+        anchor, B, dev = len(seq) - 1, s.block_size, self.K[0].device
+        ids = torch.full((1, B), s.mask_token_id, dtype=torch.long, device=dev)
+        ids[0, 0] = seq[-1]
+        x = d._embed(ids).to(self.K[0].dtype)
+        rope = rope_cos_sin(anchor + torch.arange(B, device=dev)[None], s.head_dim, s.rope_theta, x.dtype)
+        lo, hi = torch.zeros(1, dtype=torch.long, device=dev), torch.tensor([anchor], device=dev)
+        prepared = prepare_block_attention(lo, hi, anchor, 1, B, like=x)
+        for layer, K, V in zip(d.layers, self.K, self.V):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            out = packed_block_attention(apply_rope(a.q(h), *rope), K[:anchor], V[:anchor], apply_rope(a.k(h), *rope),
+                                         a.v(h), lo, hi, prepared=prepared)
+            x = x + a.o_proj(out.flatten(-2))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return d.lm_head(d.norm(x).to(d.lm_head.weight.dtype))[0, 1:].argmax(-1).tolist()
 
 
 class FeatureDrafter:
@@ -105,8 +133,9 @@ def speculative(target, drafter, prompt: Sequence[int], max_new: int, stop: froz
         raise ValueError("speculative decoding needs a non-empty prompt")
     spec = drafter.spec
     B, dev = spec.block_size, target.embed_tokens.weight.device
-    draft = ContextDrafter(drafter) if hasattr(drafter, "draft_hidden") else FeatureDrafter(drafter)
-    cache = sequence_cache(target, spec.target_layer_ids, len(prompt) + max_new + B + 1, recompute)
+    capacity = len(prompt) + max_new + B + 1
+    draft = ContextDrafter(drafter, capacity) if hasattr(drafter, "draft_hidden") else FeatureDrafter(drafter)
+    cache = sequence_cache(target, spec.target_layer_ids, capacity, recompute)
     _sync(dev)
     t0 = time.perf_counter()
     feats, logits = cache.extend(list(prompt), keep=1)
