@@ -25,5 +25,25 @@ else
   rdzv=(--standalone)
 fi
 # The grace torchrun gives its ranks after a SIGTERM (default 30 s) must cover finishing a chunk.
-exec "$PYBIN/torchrun" "${rdzv[@]}" --nproc_per_node="$NPROC" --max-restarts="${MAX_RESTARTS:-0}" \
-  --shutdown-timeout="${SHUTDOWN_TIMEOUT:-600}" -m dflash_dist.data.regenerate "$@"
+cmd=("$PYBIN/torchrun" "${rdzv[@]}" --nproc_per_node="$NPROC" --max-restarts=0
+     --shutdown-timeout="${SHUTDOWN_TIMEOUT:-600}" -m dflash_dist.data.regenerate "$@")
+# torchrun exits 1 after a signal whatever its ranks returned, so each rank records its own exit code
+# (dflash_dist.stop.record_exit_code) and this script exits with theirs: 75 after a clean stop.
+codes=$(mktemp -d "${TMPDIR:-/tmp}/dflash-regen-exit.XXXXXX")
+trap 'rm -rf "$codes"' EXIT
+( trap '' USR2; DFLASH_EXIT_CODE_DIR=$codes exec "${cmd[@]}" ) &
+agent=$!
+for sig in TERM USR2; do trap "echo 'launch/regenerate.sh: SIG$sig: passing SIGTERM to torchrun' >&2; kill -TERM $agent 2>/dev/null || true" "$sig"; done
+rc=0
+while true; do  # `wait` returns early when a trapped signal arrives: wait for torchrun itself
+  wait "$agent" && rc=0 || rc=$?
+  kill -0 "$agent" 2>/dev/null || break
+done
+written=$(cat "$codes"/local-rank-* 2>/dev/null | sort -u)
+if [ "$(ls "$codes" | wc -l)" = "$NPROC" ] && [ "$(echo "$written" | wc -l)" = 1 ]; then
+  rc=$written  # every rank recorded the same code
+elif [ "$rc" = 0 ]; then
+  rc=1  # a rank left without recording its code: it was killed
+fi
+echo "launch/regenerate.sh: ranks' exit codes: $(echo $written) -> exit $rc" >&2
+exit "$rc"

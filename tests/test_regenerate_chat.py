@@ -23,6 +23,8 @@ from dflash_dist.data.regen.engine import EngineSpec, Sampling, build_engine
 from dflash_dist.data.regen.run import Job, Shard, generation_config, load_tokenizer, run
 
 MAX_NEW = 24
+# The first test also starts vLLM (30-150 s on the shared 2-core machine, most of it compiling the model).
+pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")

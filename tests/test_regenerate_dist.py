@@ -61,11 +61,14 @@ def test_sigterm_stops_after_the_chunk_and_the_rerun_resumes(target, tmp_path):
     out = tmp_path / "out.jsonl"
     parts = chunks.parts_dir(out)
     log = open(tmp_path / "first.log", "w")
-    cmd = regen_cmd(2, args(target, src, out, "--chunk-size", "4", "--batch-size", "1"))  # slow enough to stop
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=ENV)
+    # Two ranks through the launch script (set-up skipped: the tests' .venv has it), slow enough to stop.
+    cmd = ["bash", str(ROOT / "launch" / "regenerate.sh"),
+           *args(target, src, out, "--chunk-size", "4", "--batch-size", "1")]
+    env = dict(ENV, NPROC="2", SKIP_SETUP="1", PYBIN=str(Path(sys.executable).parent))
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         wait_for(lambda: len(list(parts.glob("chunk-*.json"))) >= 2, 180, "two finished chunks")
-        proc.send_signal(signal.SIGTERM)  # to the torchrun agent, which forwards it to both ranks
+        proc.send_signal(signal.SIGTERM)  # to the script: torchrun forwards it to both ranks
         assert proc.wait(timeout=120) == 75, (tmp_path / "first.log").read_text()[-3000:]
     finally:
         if proc.poll() is None:
@@ -74,7 +77,8 @@ def test_sigterm_stops_after_the_chunk_and_the_rerun_resumes(target, tmp_path):
     done = len(list(parts.glob("chunk-*.json")))
     assert not out.exists() and 2 <= done < 30, text[-3000:]
     assert text.count("stopping after the current chunk is written") == 2, text[-3000:]
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=ENV)
+    assert "ranks' exit codes: 75 -> exit 75" in text
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     import re
     todo = sum(int(n) for n in re.findall(r"rank \d: (\d+) of its chunks to do", again.stderr))
@@ -91,8 +95,10 @@ def test_launch_script_engines_agree_and_the_output_prepares_and_trains(target, 
         out = tmp_path / f"{engine}.jsonl"
         argv = args(target, src, out, "--chunk-size", "30")
         argv[argv.index("--engine") + 1] = engine
+        # SKIP_SETUP: the set-up it would run (VLLM=1 EXTRAS=hf launch/setup.sh) is what CI's launch/test.sh ran.
         res = subprocess.run(["bash", str(ROOT / "launch" / "regenerate.sh"), *argv, "--kv-cache-gib", "0.25"],
-                             capture_output=True, text=True, timeout=900, env=ENV, cwd=tmp_path)
+                             capture_output=True, text=True, timeout=900, cwd=tmp_path,
+                             env=dict(ENV, SKIP_SETUP="1", PYBIN=str(Path(sys.executable).parent)))
         assert res.returncode == 0, res.stderr[-3000:]
         assert f"vllm engine: {target}" in res.stderr if engine == "vllm" else "hf engine:" in res.stderr
         outs[engine] = out.read_bytes()
@@ -101,9 +107,23 @@ def test_launch_script_engines_agree_and_the_output_prepares_and_trains(target, 
     assert meta["num_samples"] == 60 and not any(meta["skipped"].values())
     run = tmp_path / "run"
     res = torchrun(3, [f"data.path={tmp_path / 'ds'}", "plan.token_budget=1024", "model.target.kind=hf",
-                       f"model.target.path={target}", "model.draft.target_layer_ids=[0,1]", "train.epochs=1"],
+                       f"model.target.path={target}", "model.draft.target_layer_ids=[0]", "train.epochs=1"],
                    run, timeout=300)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["samples"] == 60 and all(e["loss"] == e["loss"] for e in summary["epochs"])
     assert (run / "export" / "model.safetensors").is_file()
+
+
+def test_benchmark_runs_and_reports_both_engines(tmp_path, capsys):
+    from dflash_dist.bench.regenerate import main
+    out = tmp_path / "bench.json"
+    assert main(["--conversations", "8", "--max-new-tokens", "8", "--dir", str(tmp_path / "w"), "--json", str(out),
+                 "--rate-per-rank", "10000"]) == 0
+    res = json.loads(out.read_text())
+    assert [e["engine"] for e in res["engines"]] == ["hf", "vllm"] and res["identical"] is True
+    assert res["engines"][0]["new_tokens"] == res["engines"][1]["new_tokens"] > 0
+    # 1.35e9 tokens / (8 x 10,000 tok/s) = 16,875 s, plus vLLM's start-up once.
+    p = res["projections"]["--rate-per-rank"]
+    assert abs(p["hours"] - (16_875 + res["engines"][1]["start_s"]) / 3600) < 1e-9
+    assert "vllm / hf tokens/s" in capsys.readouterr().out

@@ -16,6 +16,7 @@ from pathlib import Path
 from dflash_dist.data.regen.chunks import KeyMismatch
 from dflash_dist.data.regen.engine import EngineSpec, Sampling, default_engine
 from dflash_dist.data.regen.run import Job, Shard, run
+from dflash_dist.stop import record_exit_code
 
 log = logging.getLogger("dflash_dist.data.regenerate")
 
@@ -87,10 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         job = job_from_args(args)
         check_paths(job, args.overwrite)
-        return run(job, shard)
+        code = run(job, shard)
     except (ValueError, FileNotFoundError, FileExistsError, KeyMismatch, ImportError) as exc:
         log.error("rank %d: %s", shard.rank, exc)
-        return 2
+        code = 2
+    return record_exit_code(code)  # for launch/regenerate.sh: torchrun's own code after a signal is 1
 
 
 if __name__ == "__main__":
