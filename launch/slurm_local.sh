@@ -16,6 +16,7 @@
 # default 60, as Slurm's). The tests shorten the last two. EXTRA_CONF: more slurm.conf lines (e.g. a
 # preemption set-up: PreemptType, PreemptMode, partitions of this node with PriorityTier and GraceTime).
 set -euo pipefail
+export PATH=$PATH:/usr/sbin:/sbin  # the daemons live there; a non-login shell may not have it
 
 install() {
   command -v slurmctld >/dev/null && command -v munged >/dev/null && return
