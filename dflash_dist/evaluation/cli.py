@@ -47,7 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-thinking", dest="thinking", action="store_false", help="thinking off (the default)")
     ap.add_argument("--strict", action="store_true", help="hf engine: fail if speculative output differs from greedy")
     ap.add_argument("--kv-cache-bytes", type=int, default=512 << 20, help="vllm on CPU: KV cache size")
-    ap.add_argument("--max-model-len", type=int, default=None, help="vllm: context length (default: the model's)")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="vllm: context length (default: the model's; on CPU one sequence of it must fit --kv-cache-bytes)")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
     return ap.parse_args(argv)
 
