@@ -26,6 +26,7 @@ from dflash_dist.dist import DistContext, agree_on_failure, env_ranks, init_dist
 from dflash_dist.liveness import DONE, FAILED, Liveness
 from dflash_dist.models.build import build_target, draft_spec
 from dflash_dist.plan import check_trainable, count_epochs
+from dflash_dist.reporting import evaluates
 from dflash_dist.run import RoleResult, RunSetup
 from dflash_dist.runlock import RunLock, check_writable
 from dflash_dist.stats import EXIT_DIVERGED, Diverged
@@ -78,6 +79,8 @@ def build(cfg: Config, ctx: DistContext, stop_flag: StopFlag, lock: RunLock) -> 
                               "target on rank 0, which a tensor-parallel run does not hold; set it to false, or "
                               "prepare the data and regenerate it offline (python -m dflash_dist.data.regenerate)")
         spec = draft_spec(cfg, target)
+        if ctx.rank == 0 and cfg.train.eval_bench:
+            check_eval_bench(cfg, target)
         # A regenerated corpus is made once, by rank 0, while the others wait in the vote below; a
         # prepared dataset is opened (and validated) by every rank before the vote.
         later = not cfg.data.path and cfg.data.synthetic.regenerate and ctx.rank != 0
@@ -114,6 +117,18 @@ def build(cfg: Config, ctx: DistContext, stop_flag: StopFlag, lock: RunLock) -> 
     return RunSetup(cfg=cfg, ctx=ctx, target=target, spec=spec, dataset=ds, epoch_counts=tuple(counts.tolist()),
                     cursor=cursor, resume_from=resume_from, stop_flag=stop_flag,
                     plan_digests=tuple(count.digests) if count else (), skipped=count.skipped if count else None)
+
+
+def check_eval_bench(cfg: Config, target) -> None:
+    """Rank 0: a bad `train.eval_bench` is exit 2 on every rank now, not a failed evaluation after the
+    groups wait on rank 0; where the run measures no tau, the key is said to be ignored."""
+    if not evaluates(cfg):
+        log.warning("train.eval_bench=%s is not measured in this run (it needs train.eval_prompts > 0, the "
+                    "synthetic corpus and the whole target on rank 0): use python -m dflash_dist.evaluate --bench "
+                    "after the run", cfg.train.eval_bench)
+        return
+    from dflash_dist.evaluation.measure import eval_bench_set
+    eval_bench_set(cfg, target)
 
 
 def preflight(cfg: Config, ctx: DistContext, ds, plans) -> None:

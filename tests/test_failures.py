@@ -160,3 +160,16 @@ def test_a_read_only_export_directory_is_exit_2_before_training(tmp_path):
     assert re.search(r"config key 'train.run_dir': \S+/export is not writable: (Operation not permitted|Permission "
                      r"denied)", out), out[-3000:]
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_bad_eval_bench_is_exit_2_on_every_rank_before_training(tmp_path):
+    """A prompt set that cannot be read is found on rank 0 before any rank waits (not at the first tau)."""
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text('{"turns": ["hi"]}\n{"turns": \n')
+    res = torchrun(3, ["train.epochs=1", "train.eval_prompts=2", f"train.eval_bench={bench}"], tmp_path / "run",
+                   timeout=120)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0 and re.search(r"exitcode\s*:\s*2", out), out[-3000:]
+    for r in range(3):
+        assert re.search(rf"\[rank{r} \w+\] .*config key 'train.eval_bench': .*bench.jsonl", out), (r, out[-3000:])
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
