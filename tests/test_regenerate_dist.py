@@ -118,10 +118,11 @@ def test_launch_script_engines_agree_and_the_output_prepares_and_trains(target, 
 def test_benchmark_runs_and_reports_both_engines(tmp_path, capsys):
     from dflash_dist.bench.regenerate import main
     out = tmp_path / "bench.json"
-    assert main(["--conversations", "8", "--max-new-tokens", "8", "--dir", str(tmp_path / "w"), "--json", str(out),
-                 "--rate-per-rank", "10000"]) == 0
+    assert main(["--conversations", "8", "--max-new-tokens", "8", "--reps", "2", "--dir", str(tmp_path / "w"),
+                 "--json", str(out), "--rate-per-rank", "10000"]) == 0
     res = json.loads(out.read_text())
     assert [e["engine"] for e in res["engines"]] == ["hf", "vllm"] and res["identical"] is True
+    assert all(len(e["job_s_all"]) == 2 for e in res["engines"])
     assert res["engines"][0]["new_tokens"] == res["engines"][1]["new_tokens"] > 0
     # 1.35e9 tokens / (8 x 10,000 tok/s) = 16,875 s, plus vLLM's start-up once.
     p = res["projections"]["--rate-per-rank"]

@@ -5,7 +5,8 @@
 Builds a tiny random Qwen3 target (the one the tests use: character tokenizer, Qwen3-style template;
 its end-of-turn row is boosted so replies end at varied lengths), regenerates the same chat JSONL with
 `--engine hf` and `--engine vllm` (float32, greedy, --on-length keep), checks the two outputs are
-identical, and reports generated tokens/s of each (engine start-up timed apart), then projects the seed's
+identical, and reports generated tokens/s of each (engine start-up timed apart; each engine's job run
+--reps times, interleaved, median), then projects the seed's
 scale (902K conversations, 1.35B new tokens) on 8 GPUs from a per-rank rate: the measured one, or
 --rate-per-rank measured on the real target and GPU. A tiny model measures engine overhead (scheduling,
 batching, Python per step), not arithmetic: the ratio says how much of the hf path is overhead.
@@ -97,28 +98,55 @@ def write_jsonl(path: Path, lines: list) -> Path:
 
 # ----------------------------------------------------------------------------------- the benchmark
 
-def measure(name: str, target: Path, chats: Path, out: Path, max_new_tokens: int, chunk_size: int) -> dict:
-    """One engine on the whole job: start-up seconds, then the job's seconds and generated tokens."""
-    from dflash_dist.data.regen.chunks import meta_path
-    from dflash_dist.data.regen.engine import EngineSpec, Sampling, build_engine
-    from dflash_dist.data.regen.run import Job, Shard, generation_config, load_tokenizer, run
+def build(name: str, target: Path, max_num_seqs: int = 0):
+    """(spec, engine, start-up seconds) of one engine on the tiny target."""
     from dflash_dist.data.regen.chat import stop_token_ids
-    spec = EngineSpec(name=name, target=str(target), tokenizer=str(target), kv_cache_gib=0.5)
-    tok = load_tokenizer(str(target))
+    from dflash_dist.data.regen.engine import EngineSpec, build_engine
+    from dflash_dist.data.regen.run import generation_config, load_tokenizer
+    spec = EngineSpec(name=name, target=str(target), tokenizer=str(target), kv_cache_gib=0.5,
+                      max_num_seqs=max_num_seqs)
+    stops = stop_token_ids(load_tokenizer(str(target)), generation_config(str(target)))
     t0 = time.perf_counter()
-    engine = build_engine(spec, stop_token_ids(tok, generation_config(str(target))))
-    start_s = time.perf_counter() - t0
+    engine = build_engine(spec, stops)
+    return spec, engine, time.perf_counter() - t0
+
+
+def one_job(spec, engine, chats: Path, out: Path, max_new_tokens: int, chunk_size: int) -> tuple[float, dict]:
+    """Seconds of the whole job (rendering, generation, chunk files, merge) and its meta."""
+    from dflash_dist.data.regen.chunks import meta_path
+    from dflash_dist.data.regen.engine import Sampling
+    from dflash_dist.data.regen.run import Job, Shard, run
+    out.unlink(missing_ok=True)
     job = Job(input=chats, output=out, engine=spec, sampling=Sampling(max_new_tokens), on_length="keep",
               chunk_size=chunk_size, progress_s=1e9)
     t0 = time.perf_counter()
     rc = run(job, Shard(), engine)
     job_s = time.perf_counter() - t0
     if rc != 0:
-        raise RuntimeError(f"{name}: regeneration exited {rc}")
-    meta = json.loads(meta_path(out).read_text())
-    return {"engine": name, "start_s": start_s, "job_s": job_s, "new_tokens": meta["new_tokens"],
-            "replies": meta["replies"], "conversations": meta["conversations_out"],
-            "tok_per_s": meta["new_tokens"] / job_s}
+        raise RuntimeError(f"{spec.name}: regeneration exited {rc}")
+    return job_s, json.loads(meta_path(out).read_text())
+
+
+def measure(work: Path, target: Path, chats: Path, args) -> list[dict]:
+    """Both engines built once, then their jobs interleaved `reps` times (the machine is shared and
+    noisy: neither engine always runs first); the median job time of each."""
+    import statistics
+    built = {name: build(name, target, args.max_num_seqs) for name in ("hf", "vllm")}
+    times: dict[str, list[float]] = {name: [] for name in built}
+    metas = {}
+    for rep in range(args.reps):
+        for name in (("hf", "vllm") if rep % 2 == 0 else ("vllm", "hf")):
+            spec, engine, _ = built[name]
+            job_s, metas[name] = one_job(spec, engine, chats, work / f"{name}.jsonl", args.max_new_tokens,
+                                         max(1, args.conversations))
+            times[name].append(job_s)
+    rows = []
+    for name, (spec, engine, start_s) in built.items():
+        job_s, meta = statistics.median(times[name]), metas[name]
+        rows.append({"engine": name, "start_s": start_s, "job_s": job_s, "job_s_all": times[name],
+                     "new_tokens": meta["new_tokens"], "replies": meta["replies"],
+                     "conversations": meta["conversations_out"], "tok_per_s": meta["new_tokens"] / job_s})
+    return rows
 
 
 def projection(rate_per_rank: float, ranks: int = 8, start_s: float = 0.0) -> dict:
@@ -130,10 +158,12 @@ def projection(rate_per_rank: float, ranks: int = 8, start_s: float = 0.0) -> di
 
 
 def report(res: dict) -> str:
-    rows = [f"{'engine':8} {'start s':>8} {'job s':>8} {'new tokens':>11} {'replies':>8} {'tok/s':>9}"]
+    rows = [f"{'engine':8} {'start s':>8} {'job s (median)':>15} {'all job s':>20} {'new tokens':>11} {'replies':>8} "
+            f"{'tok/s':>9}"]
     for r in res["engines"]:
-        rows.append(f"{r['engine']:8} {r['start_s']:8.1f} {r['job_s']:8.2f} {r['new_tokens']:11d} {r['replies']:8d} "
-                    f"{r['tok_per_s']:9.1f}")
+        every = " ".join(f"{t:.2f}" for t in r["job_s_all"])
+        rows.append(f"{r['engine']:8} {r['start_s']:8.1f} {r['job_s']:15.2f} {every:>20} {r['new_tokens']:11d} "
+                    f"{r['replies']:8d} {r['tok_per_s']:9.1f}")
     rows.append(f"vllm / hf tokens/s: {res['speedup']:.2f}x; outputs identical: {res['identical']}")
     for label, p in res["projections"].items():
         rows.append(f"902K conversations ({p['new_tokens'] / 1e9:.2f}B new tokens, {p['new_tokens_per_conversation']:.0f}"
@@ -149,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--hidden", type=int, default=64, help="tiny target's hidden size (a multiple of 32)")
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--max-num-seqs", type=int, default=0, help="vLLM's sequences per step (0: its default)")
+    ap.add_argument("--reps", type=int, default=3, help="jobs per engine, interleaved; the median is reported")
     ap.add_argument("--rate-per-rank", type=float, default=0.0,
                     help="tokens/s of one engine on the real target and GPU, for a second projection")
     ap.add_argument("--dir", default="runs/bench/regenerate", help="scratch directory (target, chats, outputs)")
@@ -160,11 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     target = make_target(work / "target", hidden=args.hidden, layers=args.layers)
     chats = write_jsonl(work / "chats.jsonl", conversations(args.conversations))
-    engines = []
-    for name in ("hf", "vllm"):
-        out = work / f"{name}.jsonl"
-        out.unlink(missing_ok=True)
-        engines.append(measure(name, target, chats, out, args.max_new_tokens, chunk_size=max(1, args.conversations)))
+    engines = measure(work, target, chats, args)
     hf, vl = engines
     res = {"engines": engines, "speedup": vl["tok_per_s"] / hf["tok_per_s"],
            "identical": (work / "hf.jsonl").read_bytes() == (work / "vllm.jsonl").read_bytes(),

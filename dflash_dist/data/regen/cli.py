@@ -48,6 +48,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-cache-gib", type=float, default=1.0, help="CPU only: vLLM's KV cache size")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--batch-size", type=int, default=64, help="hf engine: prompts per generate call")
+    ap.add_argument("--max-num-seqs", type=int, default=0, help="vllm engine: sequences per step (0: vLLM's)")
     ap.add_argument("--progress-s", type=float, default=30.0, help="seconds between progress lines in a log")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     return ap
@@ -64,7 +65,7 @@ def job_from_args(args: argparse.Namespace) -> Job:
     spec = EngineSpec(name=args.engine or default_engine(), target=args.target, tokenizer=args.tokenizer or args.target,
                       dtype=args.dtype, max_model_len=args.max_model_len, tensor_parallel=args.tensor_parallel,
                       kv_cache_gib=args.kv_cache_gib, gpu_memory_utilization=args.gpu_memory_utilization,
-                      batch_size=args.batch_size)
+                      batch_size=args.batch_size, max_num_seqs=max(0, args.max_num_seqs))
     return Job(input=Path(args.input), output=Path(args.output), engine=spec,
                sampling=Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed),
                on_length=args.on_length, enable_thinking=args.thinking, chunk_size=args.chunk_size,

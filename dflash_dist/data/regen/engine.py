@@ -30,6 +30,7 @@ class EngineSpec:
     kv_cache_gib: float = 1.0  # CPU only: vLLM's KV cache (else it reserves 90% of host memory)
     gpu_memory_utilization: float = 0.9
     batch_size: int = 64  # hf only: prompts per generate call
+    max_num_seqs: int = 0  # vllm only: sequences per engine step (0: vLLM's default, 256 on CPU)
 
 
 @dataclass

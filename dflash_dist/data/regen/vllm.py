@@ -37,6 +37,8 @@ def _llm_kwargs(spec: EngineSpec, on_cpu: bool) -> dict:
                   kv_cache_memory_bytes=int(spec.kv_cache_gib * (1 << 30)))
     else:
         kw.update(dtype=spec.dtype, gpu_memory_utilization=spec.gpu_memory_utilization)
+    if spec.max_num_seqs:
+        kw["max_num_seqs"] = spec.max_num_seqs
     if spec.tensor_parallel > 1:
         kw["distributed_executor_backend"] = "mp"
     return kw
