@@ -53,12 +53,12 @@ class SlurmCluster:
             info = self.job(job_id)
             if info["JobState"] in states:
                 return info
-            assert time.monotonic() < end, f"job {job_id} still {info['JobState']} after {timeout}s"
+            assert time.monotonic() < end, f"job {job_id} still {info['JobState']} after {timeout}s\n{self.log()}"
             time.sleep(0.5)
 
     def signal(self, job_id: int, *opts: str) -> None:
         self.run("scancel", *opts, str(job_id))
 
     def log(self) -> str:
-        """The daemons' logs, for a failing test's message."""
-        return "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted((self.dir / "log").glob("*.log")))
+        """The end of the daemons' logs, for a failing test's message."""
+        return "\n".join(p.read_text(errors="replace")[-1500:] for p in sorted((self.dir / "log").glob("*.log")))

@@ -12,7 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 import helpers
@@ -124,6 +123,7 @@ def test_time_limit_warning_a_stop_by_hand_and_a_killed_rank_each_requeue_and_re
 
 
 def worker_pid(job: int, rank: int) -> int | None:
+    import psutil
     for p in psutil.process_iter():
         try:
             env = p.environ()
