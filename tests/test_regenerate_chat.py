@@ -130,18 +130,19 @@ def test_skips_are_counted_by_reason_with_line_numbers(engines, tmp_path, caplog
 
 
 class SignalAfter:
-    """The shared engine, sending this process SIGTERM after its `after`-th generate call."""
+    """The shared engine, sending this process SIGTERM when its `after`-th reply ends."""
 
     def __init__(self, engine, after: int):
-        self.engine, self.after, self.calls, self.prompts = engine, after, 0, 0
+        self.engine, self.after, self.replies = engine, after, 0
         self.context_len = engine.context_len
 
-    def generate(self, prompts, *args):
-        self.calls += 1
-        self.prompts += len(prompts)
-        if self.calls == self.after:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return self.engine.generate(prompts, *args)
+    def serve(self, requests, sampling, on_reply):
+        def counted(r, g):
+            self.replies += 1
+            if self.replies == self.after:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return on_reply(r, g)
+        self.engine.serve(requests, sampling, counted)
 
 
 def test_a_stopped_run_resumes_to_the_same_output(engines, tmp_path):
@@ -163,8 +164,8 @@ def test_a_stopped_run_resumes_to_the_same_output(engines, tmp_path):
     assert out.read_text().splitlines() == [json.dumps(c, ensure_ascii=False) for c in whole]
     assert out.read_bytes() == (tmp_path / "whole.jsonl").read_bytes() and not parts.exists()
     turns = [sum(m["role"] == "assistant" for m in parse_messages(c)) for c in conversations(30, seed=4)]
-    assert stopping.prompts == sum(turns[:8])  # the stopped run did chunk 0, all of it, and no more
-    assert again.prompts == sum(turns[8:])  # the resumed run did not redo it
+    assert stopping.replies == sum(turns[:8])  # the stopped run did chunk 0, all of it, and no more
+    assert again.replies == sum(turns[8:])  # the resumed run did not redo it
 
 
 def test_rerun_with_other_settings_is_refused(engines, target, tmp_path):

@@ -7,7 +7,7 @@ with whether it ended at an end token or at its length limit.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,18 @@ class Generated:
     stopped: bool  # True: ended at an end token; False: cut at its token limit
 
 
+@dataclass
+class Request:
+    key: object  # the caller's handle (a conversation and its turn)
+    prompt: list[int]
+    max_tokens: int
+    seed: int
+
+
+# Called when a reply ends; returns the conversation's next request (its next turn), or None.
+OnReply = Callable[[Request, Generated], "Request | None"]
+
+
 class Engine(Protocol):
     context_len: int  # prompt + reply tokens the engine can hold
 
@@ -46,6 +58,19 @@ class Engine(Protocol):
                  seeds: list[int]) -> list[Generated]:
         """One reply per prompt; reply i has at most max_tokens[i] tokens; seeds[i] fixes its sampling."""
         ...
+
+    def serve(self, requests: list[Request], sampling: Sampling, on_reply: OnReply) -> None:
+        """Every request and every request that on_reply returns, until none is left."""
+        ...
+
+
+def serve_in_waves(engine: Engine, requests: list[Request], sampling: Sampling, on_reply: OnReply) -> None:
+    """serve() for an engine that only has generate(): the requests in hand form one batch, the next
+    requests they lead to the next batch (all conversations' turn t together)."""
+    while requests:
+        gens = engine.generate([r.prompt for r in requests], [r.max_tokens for r in requests], sampling,
+                               [r.seed for r in requests])
+        requests = [n for r, g in zip(requests, gens) if (n := on_reply(r, g)) is not None]
 
 
 def finish(ids: list[int], limit: int, stop_ids: frozenset[int]) -> Generated:

@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from dflash_dist.data.regen.engine import EngineSpec, Generated, Sampling, finish
+from dflash_dist.data.regen.engine import EngineSpec, Generated, OnReply, Request, Sampling, finish, serve_in_waves
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,9 @@ class HfEngine:
         # Padding never reaches a reply (masked, then cut off by finish()); any id works.
         self.pad_id = min(stop_ids)
         log.info("hf engine: %s on %s, %s, context %d", spec.target, self.device, self.model.dtype, self.context_len)
+
+    def serve(self, requests: list[Request], sampling: Sampling, on_reply: OnReply) -> None:
+        serve_in_waves(self, requests, sampling, on_reply)
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int], sampling: Sampling,
                  seeds: list[int]) -> list[Generated]:

@@ -1,9 +1,10 @@
 """The driver: this rank's chunks, turn by turn, then (rank 0) the merge.
 
-Turn by turn: in a chunk, assistant turn t of every conversation that has one is generated in one batch,
-from the conversation rendered up to that turn with the target's chat template and generation prompt;
-the reply replaces the turn before turn t + 1 is rendered, so every later turn continues the target's own
-conversation. A conversation whose reply reaches the token limit is dropped under --on-length drop (its
+Turn by turn: assistant turn t of a conversation is generated from the conversation rendered up to that
+turn with the target's chat template and generation prompt; the reply replaces the turn before turn t + 1
+is rendered, so every later turn continues the target's own conversation. All conversations of a chunk are
+in flight at once: the vLLM engine takes a conversation's next turn as soon as its reply ends (continuous
+batching); the hf engine batches turn t of every conversation together. A conversation whose reply reaches the token limit is dropped under --on-length drop (its
 later turns are not generated) or kept cut under keep; either way it is counted.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 from dflash_dist.data.prepare import Skip
 from dflash_dist.data.regen import chunks
 from dflash_dist.data.regen.chat import SKIP_REASONS, ChatRenderer, Conversation, parse_line, stop_token_ids
-from dflash_dist.data.regen.engine import Engine, EngineSpec, Sampling, build_engine
+from dflash_dist.data.regen.engine import Engine, EngineSpec, Generated, Request, Sampling, build_engine
 from dflash_dist.data.regen.progress import RankProgress, Reporter
 
 log = logging.getLogger(__name__)
@@ -119,44 +120,44 @@ class ChunkWorker:
                 self.skip(counts, line_no, s.reason, str(s))
         self.progress.add(conversations=len(lines) - len(convs))
         alive = {c.line_no: c for c in convs}
-        for t in range(max((len(c.turns) for c in convs), default=0)):
-            self._turn(t, [c for c in alive.values() if len(c.turns) > t], alive, counts)
+        first = [r for c in convs if (r := self._request(c, 0, alive, counts)) is not None]
+        self.engine.serve(first, self.job.sampling, lambda r, g: self._reply(r, g, alive, counts))
         out = [c for c in convs if c.line_no in alive]
         counts.update(conversations_out=len(out), replies=sum(len(c.turns) for c in out),
                       new_tokens=sum(c.new_tokens for c in out), cut_kept=sum(c.cut_turns > 0 for c in out))
         return [c.to_line() for c in out], counts
 
-    def _turn(self, t: int, batch: list[Conversation], alive: dict[int, Conversation], counts: Counter) -> None:
-        ctx, limit = self.engine.context_len, self.job.sampling.max_new_tokens
-        todo, prompts = [], []
-        for c in batch:
-            try:
-                ids = self.renderer.prompt_ids(c, c.turns[t])
-                if len(ids) >= ctx:
-                    raise Skip("over_context", f"assistant turn {t + 1}: prompt of {len(ids)} tokens >= the "
-                                               f"engine's context of {ctx}")
-            except Skip as s:
-                self._drop(c, alive, counts, s.reason, str(s))
-                continue
-            todo.append(c)
-            prompts.append(ids)
-        gens = self.engine.generate(prompts, [min(limit, ctx - len(p)) for p in prompts], self.job.sampling,
-                                    [request_seed(self.job.sampling.seed, c.line_no, t) for c in todo]) if todo else []
-        tokens = 0
-        for c, p, g in zip(todo, prompts, gens):
-            c.set_reply(c.turns[t], self.renderer.reply_text(g.ids))
-            c.new_tokens += len(g.ids) + g.stopped  # the end token was generated too
-            counts["prompt_tokens"] += len(p)
-            tokens += len(g.ids) + g.stopped
-            if not g.stopped:
-                c.cut_turns += 1
-                if self.job.on_length == "drop":
-                    self._drop(c, alive, counts, "cut", f"assistant turn {t + 1} reached {len(g.ids)} tokens "
-                                                        "(--max-new-tokens or the context) without ending")
-                    continue
-            if t == len(c.turns) - 1:
-                self.progress.add(conversations=1)
-        self.progress.add(tokens=tokens)
+    def _request(self, c: Conversation, t: int, alive: dict, counts: Counter) -> Request | None:
+        """Assistant turn t of c for the engine, or None (the conversation is dropped, counted)."""
+        ctx = self.engine.context_len
+        try:
+            ids = self.renderer.prompt_ids(c, c.turns[t])
+            if len(ids) >= ctx:
+                raise Skip("over_context", f"assistant turn {t + 1}: prompt of {len(ids)} tokens >= the "
+                                           f"engine's context of {ctx}")
+        except Skip as s:
+            self._drop(c, alive, counts, s.reason, str(s))
+            return None
+        counts["prompt_tokens"] += len(ids)
+        return Request(key=(c, t), prompt=ids, max_tokens=min(self.job.sampling.max_new_tokens, ctx - len(ids)),
+                       seed=request_seed(self.job.sampling.seed, c.line_no, t))
+
+    def _reply(self, r: Request, g: Generated, alive: dict, counts: Counter) -> Request | None:
+        """Turn t's reply goes into the conversation; returns its next turn's request, if any."""
+        c, t = r.key
+        c.set_reply(c.turns[t], self.renderer.reply_text(g.ids))
+        c.new_tokens += len(g.ids) + g.stopped  # the end token was generated too
+        self.progress.add(tokens=len(g.ids) + g.stopped)
+        if not g.stopped:
+            c.cut_turns += 1
+            if self.job.on_length == "drop":
+                self._drop(c, alive, counts, "cut", f"assistant turn {t + 1} reached {len(g.ids)} tokens "
+                                                    "(--max-new-tokens or the context) without ending")
+                return None
+        if t + 1 < len(c.turns):
+            return self._request(c, t + 1, alive, counts)
+        self.progress.add(conversations=1)
+        return None
 
     def _drop(self, c: Conversation, alive: dict, counts: Counter, reason: str, message: str) -> None:
         del alive[c.line_no]

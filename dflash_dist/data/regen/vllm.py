@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 
-from dflash_dist.data.regen.engine import EngineSpec, Generated, Sampling, finish
+from dflash_dist.data.regen.engine import EngineSpec, Generated, OnReply, Request, Sampling, finish
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +59,41 @@ class VllmEngine:
         self.context_len = int(self.llm.llm_engine.model_config.max_model_len)
         log.info("vllm engine: %s, %s, context %d", spec.target, "cpu" if on_cpu else "cuda", self.context_len)
 
+    def _params(self, sampling: Sampling, max_tokens: int, seed: int):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+        greedy = sampling.temperature == 0
+        return SamplingParams(max_tokens=max_tokens, temperature=sampling.temperature,
+                              top_p=1.0 if greedy else sampling.top_p, seed=None if greedy else seed,
+                              stop_token_ids=sorted(self.stop_ids), detokenize=False,
+                              output_kind=RequestOutputKind.FINAL_ONLY)
+
     def generate(self, prompts: list[list[int]], max_tokens: list[int], sampling: Sampling,
                  seeds: list[int]) -> list[Generated]:
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        greedy = sampling.temperature == 0
-        params = [SamplingParams(max_tokens=m, temperature=sampling.temperature,
-                                 top_p=1.0 if greedy else sampling.top_p, seed=None if greedy else s,
-                                 stop_token_ids=sorted(self.stop_ids), detokenize=False)
-                  for m, s in zip(max_tokens, seeds)]
+        params = [self._params(sampling, m, s) for m, s in zip(max_tokens, seeds)]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return [finish(list(o.outputs[0].token_ids), m, self.stop_ids) for o, m in zip(outs, max_tokens)]
+
+    def serve(self, requests: list[Request], sampling: Sampling, on_reply: OnReply) -> None:
+        """Continuous: a conversation's next turn enters the running batch as soon as its reply ends, so
+        batches stay full (one generate() per turn ends each turn on the few longest replies)."""
+        from vllm.inputs import TokensPrompt
+        engine, live, serial = self.llm.llm_engine, {}, 0
+
+        def add(r: Request) -> None:
+            nonlocal serial
+            serial += 1
+            live[str(serial)] = r
+            engine.add_request(str(serial), TokensPrompt(prompt_token_ids=r.prompt),
+                               self._params(sampling, r.max_tokens, r.seed))
+
+        for r in requests:
+            add(r)
+        while live:
+            for out in engine.step():
+                if out.finished:
+                    r = live.pop(out.request_id)
+                    nxt = on_reply(r, finish(list(out.outputs[0].token_ids), r.max_tokens, self.stop_ids))
+                    if nxt is not None:
+                        add(nxt)
