@@ -6,4 +6,17 @@
     chunks.py    chunk files, atomic writes, resume key, merge
     progress.py  per-rank totals and rank 0's progress line
     cli.py       the command line (python -m dflash_dist.data.regenerate --input ...)
+
+Multi-turn and reasoning, and what the peer trainers do (their public scripts, read for facts):
+  * SpecForge (scripts/regenerate_train_data.py, SGLang's chat API) regenerates turn by turn: each user
+    turn is sent with the conversation so far, whose assistant turns are the target's own new replies;
+    `--reasoning save` stores the reasoning apart (`reasoning_content`) and strips it from earlier turns of
+    the query, `disable` passes enable_thinking=false. speculators (scripts/response_regeneration, vLLM's
+    chat API) takes the first user message of each row and regenerates one reply: single turn.
+  * Here: turn by turn, as SpecForge, since a drafter serves every turn of a chat and later turns' replies
+    depend on the earlier ones the target itself wrote. The reply is kept as the target wrote it, reasoning
+    included (`<think>...</think>` inside `content`): data.prepare reads `content`, supervises it, and can
+    leave the reasoning out of the loss (--no-reasoning-loss); what an earlier turn's reasoning looks like in
+    a later prompt is the chat template's decision (Qwen3 drops it), so every prompt is the text the target
+    sees when it serves. --enable-thinking/--no-thinking go to the template as enable_thinking.
 """
