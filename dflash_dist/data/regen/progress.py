@@ -48,13 +48,12 @@ def eta_text(seconds: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
-def status_line(done: int, total: int, tokens: int, elapsed: float, done_before: int) -> str:
-    """done/total conversations (done_before of them by an earlier run), tokens and rate of this run."""
-    rate_c = (done - done_before) / elapsed if elapsed > 0 else 0.0
-    eta = (total - done) / rate_c if rate_c > 0 else float("inf")
+def status_line(done: int, total: int, tokens: int, tok_s: float, conv_s: float) -> str:
+    """done/total conversations (an earlier run's included), this run's tokens, rates and ETA."""
+    eta = (total - done) / conv_s if conv_s > 0 else float("inf")
     pct = 100.0 * done / total if total else 100.0
-    return (f"regenerate: {done}/{total} conversations ({pct:.1f}%)  {tokens} tokens  "
-            f"{tokens / elapsed if elapsed > 0 else 0.0:.1f} tok/s  ETA {eta_text(eta)}")
+    return (f"regenerate: {done}/{total} conversations ({pct:.1f}%)  {tokens} tokens  {tok_s:.1f} tok/s  "
+            f"ETA {eta_text(eta)}")
 
 
 def _read(path: Path) -> dict:
@@ -71,6 +70,7 @@ class Reporter:
         self.parts, self.total, self.done_before, self.every_s = parts, total, done_before, every_s
         self.t0, self.wall0 = time.monotonic(), time.time()
         self.chunk_lines: dict[str, int] = {}  # finished chunk -> its input lines (read once)
+        self.first: tuple[float, int, int] | None = None  # (time, conversations, tokens) when tokens first came
         self._stop = threading.Event()
         self._bar = None
         if sys.stderr.isatty():
@@ -93,13 +93,22 @@ class Reporter:
                 conv, tok = conv + d["partial"], tok + d["tokens"]
         return conv, tok
 
+    def rates(self, now: float, done: int, tokens: int) -> tuple[float, float]:
+        """(tokens/s, conversations/s) since the first tokens came (the engines' start-up, a minute or
+        more, would otherwise stretch the ETA), or since the start when that is under a second ago."""
+        if self.first is None and tokens > 0:
+            self.first = (now, done, tokens)
+        t, d, k = self.first if self.first and now - self.first[0] >= 1.0 else (self.t0, self.done_before, 0)
+        dt = max(now - t, 1e-9)
+        return (tokens - k) / dt, (done - d) / dt
+
     def report(self) -> str:
         done, tokens = self.totals()
-        elapsed = time.monotonic() - self.t0
+        tok_s, conv_s = self.rates(time.monotonic(), done, tokens)
         if self._bar is not None:
             self._bar.n = done
-            self._bar.set_postfix_str(f"{tokens} tok, {tokens / max(elapsed, 1e-9):.0f} tok/s", refresh=True)
-        line = status_line(done, self.total, tokens, elapsed, self.done_before)
+            self._bar.set_postfix_str(f"{tokens} tok, {tok_s:.0f} tok/s", refresh=True)
+        line = status_line(done, self.total, tokens, tok_s, conv_s)
         if self._bar is None:
             log.info("%s", line)
         return line
