@@ -39,11 +39,15 @@ while true; do  # `wait` returns early when a trapped signal arrives: wait for t
   wait "$agent" && rc=0 || rc=$?
   kill -0 "$agent" 2>/dev/null || break
 done
-written=$(cat "$codes"/local-rank-* 2>/dev/null | sort -u)
-if [ "$(ls "$codes" | wc -l)" = "$NPROC" ] && [ "$(echo "$written" | wc -l)" = 1 ]; then
-  rc=$written  # every rank recorded the same code
-elif [ "$rc" = 0 ]; then
-  rc=1  # a rank left without recording its code: it was killed
+written=$(cat "$codes"/local-rank-* 2>/dev/null | sort -u | tr '\n' ' ')
+if [ "$(ls "$codes" | wc -l)" != "$NPROC" ]; then
+  [ "$rc" != 0 ] || rc=1  # a rank left without recording its code: it was killed
+elif [ "$written" = "0 75 " ]; then
+  rc=75  # some ranks had finished their chunks before the stop: still a clean, resumable stop
+elif [ "$(echo $written | wc -w)" = 1 ]; then
+  rc=${written% }  # every rank recorded the same code
+else
+  rc=$(echo $written | tr ' ' '\n' | grep -vx '0\|75' | head -n 1)  # the first failure code
 fi
-echo "launch/regenerate.sh: ranks' exit codes: $(echo $written) -> exit $rc" >&2
+echo "launch/regenerate.sh: ranks' exit codes: ${written% } -> exit $rc" >&2
 exit "$rc"
