@@ -176,6 +176,9 @@ def test_rerun_with_other_settings_is_refused(engines, target, tmp_path):
     args = ["--input", str(src), "--target", str(target), "--output", str(tmp_path / "out.jsonl"), "--engine", "hf",
             "--chunk-size", "2", "--on-length", "keep"]
     assert main(args + ["--max-new-tokens", "7"]) == 2  # another limit: the finished chunk would not fit
+    assert main(args + ["--max-new-tokens", "0"]) == 2  # out of range: refused before any work
+    missing = [str(tmp_path / "missing.jsonl") if a == str(src) else a for a in args]
+    assert main(missing + ["--max-new-tokens", str(MAX_NEW)]) == 2  # an input file that is not there
     assert main(args + ["--max-new-tokens", str(MAX_NEW)]) == 0  # the same settings: resumed and merged
     assert main(args + ["--max-new-tokens", str(MAX_NEW)]) == 2  # the output exists now
     whole, _ = regen(engines, "hf", src, tmp_path / "whole.jsonl", chunk_size=2)
