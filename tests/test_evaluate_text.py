@@ -4,6 +4,7 @@ to the full-recompute reference, and the end-of-training tau on `train.eval_benc
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,7 +53,9 @@ def test_cached_decoder_equals_full_recompute_on_a_transformers_target(loaded):
 def test_answers_end_at_the_end_of_turn(loaded, exported):
     cfg, target, drafter = loaded
     chat = Chat(exported[0], thinking=False)
-    assert len(chat.stop) == 1
+    # generation_config's EOS and the template's end-of-turn marker: where a regenerated reply ends too.
+    eos = json.loads((Path(exported[0]) / "generation_config.json").read_text())["eos_token_id"]
+    assert chat.stop == {eos, chat.tok.convert_tokens_to_ids("<|end|>")}
     ended = 0
     for conv in TURNS:
         messages = []

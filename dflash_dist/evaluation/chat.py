@@ -3,14 +3,17 @@
 Each turn is rendered from the whole conversation so far (user turns and the target's own decoded
 answers) with the generation prompt and the thinking switch (`enable_thinking`, which Qwen3's template
 reads; templates without it ignore it), then tokenized without adding special tokens again (the
-template already holds them: Llama 3's would otherwise start with two BOS). An answer ends at the
-tokenizer's EOS or the model's generation_config EOS ids, which is where the serving engines stop too.
+template already holds them: Llama 3's would otherwise start with two BOS). An answer ends where a
+regenerated training reply ends (`data.regen.chat.stop_token_ids`: generation_config's EOS ids, the
+tokenizer's EOS and the template's one-token end-of-turn marker), which is where the engines stop too.
 """
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
+from dflash_dist.data.regen.chat import stop_token_ids
 from dflash_dist.evaluation.prompts import EvalInputError
 
 log = logging.getLogger(__name__)
@@ -28,20 +31,12 @@ class Chat:
         if not getattr(self.tok, "chat_template", None):
             raise EvalInputError(f"model.target.path={path}: the tokenizer has no chat template; conversation "
                                  "prompts need one (token-id prompt files do not)")
-        self.stop = frozenset(self._stop_ids(path))
-        if not self.stop:
-            log.warning("%s: no EOS token id in the tokenizer or generation_config.json: answers run to "
-                        "--max-new-tokens", path)
-
-    def _stop_ids(self, path: Path) -> set[int]:
-        ids = {self.tok.eos_token_id} if self.tok.eos_token_id is not None else set()
+        gen = path / "generation_config.json"
         try:
-            from transformers import GenerationConfig
-            eos = GenerationConfig.from_pretrained(str(path), local_files_only=True).eos_token_id
-        except (OSError, ValueError):  # no generation_config.json: the tokenizer's EOS alone
-            eos = None
-        ids.update([eos] if isinstance(eos, int) else (eos or []))
-        return {int(i) for i in ids}
+            self.stop = frozenset(stop_token_ids(self.tok, json.loads(gen.read_text()) if gen.is_file() else None))
+        except ValueError as exc:
+            log.warning("%s: %s", path, exc)
+            self.stop = frozenset()
 
     def render(self, messages: list[dict], where: str) -> list[int]:
         """Token ids of the conversation so far, ending with the assistant's generation prompt."""
