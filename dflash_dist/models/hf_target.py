@@ -37,6 +37,7 @@ same order: the sharded forward is collective.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 from pathlib import Path
@@ -333,8 +334,13 @@ def _load_transformers_tp(path: Path, dtype: torch.dtype, tp_group, device: torc
     from transformers.distributed import DistributedConfig
     n = dist.get_world_size(tp_group)
     dense, experts = _replica_meshes(tp_group, device.type, expert_parallel)
-    dc = (DistributedConfig(tp_size=n, ep_size=n, ep_implementation="all_reduce") if expert_parallel
-          else DistributedConfig(tp_size=n))
+    # Experts split whole over the replica, every rank keeping every token, the outputs all-reduced:
+    # transformers >= 5.20 names that choice (ep_implementation); before (vLLM 0.32, installed beside,
+    # pins < 5.20), the router-masking plan is given as an override of the model's token-dispatch one.
+    named = "ep_implementation" in {f.name for f in dataclasses.fields(DistributedConfig)}
+    masked = {"ep_implementation": "all_reduce"} if named else {
+        "ep_plan": {"model.layers.*.mlp.gate": "ep_router", "model.layers.*.mlp.experts": "moe_tp_experts"}}
+    dc = DistributedConfig(tp_size=n, ep_size=n, **masked) if expert_parallel else DistributedConfig(tp_size=n)
     with _transformers_mesh(dense, experts, device):
         return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, distributed_config=dc,
                                                     **{_dtype_kwarg(): dtype})
