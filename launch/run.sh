@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The one place that starts torchrun: demo.sh calls it on one machine, slurm/train.sbatch once per node.
+# The one place that starts torchrun: demo.sh calls it on one machine, slurm/train.sbatch once per node,
+# launch/regenerate.sh (MODULE=dflash_dist.data.regenerate, from the caller's directory) for its ranks.
 #   one node : NPROC ranks (default 3), --standalone rendezvous
 #   N nodes  : NNODES, MASTER_ADDR, MASTER_PORT, RDZV_ID from the caller; c10d rendezvous hosted by the
 #              agent on MASTER_ADDR (the first node); NODE_RANK only orders the logs (c10d assigns ranks)
@@ -7,6 +8,7 @@
 #
 # Exit code: the workers' own, which each writes to a temporary directory as it leaves (DFLASH_EXIT_CODE_DIR):
 # 0 done, 75 stopped on request with state saved (requeue and resume), 2 bad input, 3 a peer died, 4 diverged;
+# a failure code wins, then 75 (workers that had finished, 0, beside stopped ones: still a resumable stop);
 # torchrun's own code only when a worker died without one (killed). torchrun alone cannot say: after a
 # signal it exits 1 even when every worker saved and exited 75.
 #
@@ -27,11 +29,14 @@
 # PYTORCH_CUDA_ALLOC_CONF: expandable_segments:True unless the caller set it: batches change shape every
 # step, and without it the caching allocator fragments over a long run until a large request fails.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-PYBIN=${PYBIN:-.venv/bin}
+root=$(cd "$(dirname "$0")/.." && pwd)
+[ -n "${KEEP_CWD:-}" ] || cd "$root"  # training's relative paths (configs/, runs/) are the repository's
+PYBIN=${PYBIN:-$root/.venv/bin}
 NPROC=${NPROC:-3}
+MODULE=${MODULE:-dflash_dist.train}
 SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-300}
-export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+# (training only: vLLM, which regeneration runs, manages its own CUDA memory pool)
+[ "$MODULE" != dflash_dist.train ] || export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 if [ "${MAX_RESTARTS:-0}" != 0 ]; then
   echo "launch/run.sh: MAX_RESTARTS=$MAX_RESTARTS is not supported: torchrun's restarted gloo group does not" \
        "form, and a stop would be restarted; a crashed run resumes when started again (slurm/train.sbatch" \
@@ -46,9 +51,9 @@ else
   rdzv=(--standalone)
 fi
 cmd=("$PYBIN/torchrun" "${rdzv[@]}" --nproc_per_node="$NPROC" --max-restarts=0
-     --shutdown-timeout="$SHUTDOWN_TIMEOUT" -m dflash_dist.train "$@")
+     --shutdown-timeout="$SHUTDOWN_TIMEOUT" -m "$MODULE" "$@")
 if [ -n "${DRY_RUN:-}" ]; then
-  echo "PYTORCH_CUDA_ALLOC_CONF=$PYTORCH_CUDA_ALLOC_CONF ${cmd[*]}"
+  echo "PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF-} ${cmd[*]}"
   exit 0
 fi
 
@@ -73,20 +78,23 @@ while true; do  # `wait` returns early when a trapped signal arrives: wait for t
   kill -0 "$agent" 2>/dev/null || break
 done
 
-# The run's code from the workers': all equal -> that code; else the first failure code a worker wrote
-# (2, 3, 4, 1); else (some worker wrote nothing: it was killed) torchrun's own, 1 at least.
-written=() failed=
+# The run's code from the workers': the first failure code a worker wrote (2, 3, 4, 1); else, if a worker
+# wrote nothing (it was killed), torchrun's own, 1 at least; else 75 if any stopped; else 0.
+written=() failed= missing= stopped=
 for ((r = 0; r < NPROC; r++)); do
   c=$(cat "$codes/local-rank-$r" 2>/dev/null) || c=none
   written+=("$c")
-  if [ -z "$failed" ] && [ "$c" != none ] && [ "$c" != 0 ] && [ "$c" != 75 ]; then failed=$c; fi
+  case $c in
+    none) missing=1 ;;
+    75) stopped=1 ;;
+    0) ;;
+    *) [ -n "$failed" ] || failed=$c ;;
+  esac
 done
-if [ "$(printf '%s\n' "${written[@]}" | sort -u | wc -l)" = 1 ] && [ "${written[0]}" != none ]; then
-  code=${written[0]}
-elif [ -n "$failed" ]; then
-  code=$failed
-else
-  code=$((rc == 0 ? 1 : rc))
+if [ -n "$failed" ]; then code=$failed
+elif [ -n "$missing" ]; then code=$((rc == 0 ? 1 : rc))
+elif [ -n "$stopped" ]; then code=75
+else code=0
 fi
 echo "$(date +%T) launch/run.sh: torchrun exited $rc; local ranks' exit codes: ${written[*]} -> exit $code" >&2
 exit "$code"

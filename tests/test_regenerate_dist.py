@@ -77,7 +77,7 @@ def test_sigterm_stops_after_the_chunk_and_the_rerun_resumes(target, tmp_path):
     done = len(list(parts.glob("chunk-*.json")))
     assert not out.exists() and 2 <= done < 30, text[-3000:]
     assert text.count("stopping after the current chunk is written") == 2, text[-3000:]
-    assert "ranks' exit codes: 75 -> exit 75" in text
+    assert "local ranks' exit codes: 75 75 -> exit 75" in text
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     import re
@@ -128,3 +128,24 @@ def test_benchmark_runs_and_reports_both_engines(tmp_path, capsys):
     p = res["projections"]["--rate-per-rank"]
     assert abs(p["hours"] - (16_875 + res["engines"][1]["start_s"]) / 3600) < 1e-9
     assert "vllm / hf tokens/s" in capsys.readouterr().out
+
+
+def test_slurms_usr2_to_every_process_keeps_the_chunk_in_hand(target, tmp_path):
+    """Slurm's --signal reaches every process of the step, vLLM's engine core too: the engine must not die
+    of it (its children start with SIGUSR2 blocked), so the rank writes the chunk in hand and exits 75."""
+    src = write_jsonl(tmp_path / "chats.jsonl", conversations(400, seed=7))
+    out = tmp_path / "out.jsonl"
+    parts = chunks.parts_dir(out)
+    argv = [a if a != "hf" else "vllm" for a in args(target, src, out, "--chunk-size", "8")]
+    log = open(tmp_path / "run.log", "w")
+    proc = subprocess.Popen(regen_cmd(1, argv), stdout=log, stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
+    try:
+        wait_for(lambda: len(list(parts.glob("chunk-*.json"))) >= 2, 240, "two finished chunks")
+        os.killpg(proc.pid, signal.SIGUSR2)  # as Slurm signals a job step: every process of it
+        assert proc.wait(timeout=120) == 75, (tmp_path / "run.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = (tmp_path / "run.log").read_text()
+    assert "received SIGUSR2: stopping after the current chunk is written" in text, text[-3000:]
+    assert "the engine failed" not in text and "this chunk is lost" not in text, text[-3000:]

@@ -203,6 +203,7 @@ exit $FAKE_RC
     ("75 75 75", 1, 75),  # a saved stop: torchrun exits 1 after the signal
     ("0 0 0", 0, 0),
     ("2 2 2", 1, 2),
+    ("0 75 75", 1, 75),  # ranks that had finished (regeneration's chunks) beside stopped ones: resumable
     ("75 75 -", 1, 1),  # one worker killed: not a saved stop
     ("3 - 3", 1, 3),  # a peer died
     ("- - -", 0, 1),  # no worker said anything: never a success
@@ -237,7 +238,7 @@ def fake_slurm(tmp_path: Path, srun_body: str) -> dict:
 
 
 def test_scripts_parse():
-    for script in [SBATCH, *sorted((ROOT / "launch").glob("*.sh"))]:
+    for script in [*sorted((ROOT / "slurm").iterdir()), *sorted((ROOT / "launch").glob("*.sh"))]:
         subprocess.run(["bash", "-n", str(script)], check=True)
 
 
@@ -301,7 +302,7 @@ def test_signal_lead_time_covers_the_shutdown_grace(tmp_path):
     requeue), and the script warns when a user's grace no longer fits."""
     text = SBATCH.read_text()
     lead = int(re.search(r"^#SBATCH --signal=USR2@(\d+)", text, re.M).group(1))
-    assert int(re.search(r"^SIGNAL_LEAD_S=(\d+)$", text, re.M).group(1)) == lead
+    assert int(re.search(r"^SIGNAL_LEAD_S=(\d+)\b", text, re.M).group(1)) == lead
     default = int(re.search(r"SHUTDOWN_TIMEOUT=\$\{SHUTDOWN_TIMEOUT:-(\d+)\}", text).group(1))
     assert default == int(re.search(r"SHUTDOWN_TIMEOUT=\$\{SHUTDOWN_TIMEOUT:-(\d+)\}", RUN.read_text()).group(1))
     assert default + 60 <= lead

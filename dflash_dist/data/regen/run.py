@@ -195,8 +195,18 @@ def work(job: Job, shard: Shard, stop: StopSignal, parts: Path, num_chunks: int,
         return True
     tok = load_tokenizer(job.engine.tokenizer)
     stops = stop_token_ids(tok, generation_config(job.engine.target))
-    engine = engine or build_engine(job.engine, stops, shard.local_rank)
-    stop.install()  # after the engine: nothing it starts may take the handlers over
+    if engine is None:
+        # Slurm's --signal reaches every process of the step, the engine's own child processes too (vLLM's
+        # engine core): they are started with SIGUSR2 blocked, a mask they inherit and keep, so the stop
+        # request reaches this rank alone and it writes the chunk in hand. Blocked, not ignored, here: a
+        # request that arrives while the engine starts is delivered when the mask is lifted.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+        try:
+            engine = build_engine(job.engine, stops, shard.local_rank)
+            stop.install()  # after the engine: nothing it starts may take the handlers over
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    stop.install()
     worker = ChunkWorker(job, engine, ChatRenderer(tok, job.enable_thinking), RankProgress(parts, shard.rank))
     for c, lines in chunks.chunk_lines(job.input, job.chunk_size, mine):
         t0 = time.monotonic()
