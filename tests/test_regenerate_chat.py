@@ -24,7 +24,7 @@ from dflash_dist.data.regen.run import Job, Shard, generation_config, load_token
 
 MAX_NEW = 24
 # The first test also starts vLLM (30-150 s on the shared 2-core machine, most of it compiling the model).
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # starts a vLLM engine (30-150 s)
 
 
 @pytest.fixture(scope="module")
