@@ -14,15 +14,14 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from dflash_dist import cost as C
 from dflash_dist.bench import cost as bench_cost
-from dflash_dist.bench.memory import Scaled, _batch
+from dflash_dist.bench.cost import scaled_job
+from dflash_dist.bench.memory import Scaled
 from dflash_dist.capture import capture_for_drafter
 from dflash_dist.config import load_config, loss_gamma
 from dflash_dist.memory import BatchShape, Precision, Sharding
 from dflash_dist.model_shapes import model_shapes
 from dflash_dist.models import attention as attn
 from dflash_dist.models.build import build_drafter, draft_spec
-from dflash_dist.models.qwen3 import TinyQwen3
-from dflash_dist.objective import anchor_generator, draw_anchors
 from dflash_dist.step import drafter_step
 
 TINY = Scaled(hidden=64, vocab=512, intermediate=192, target_layers=4, heads=4, kv_heads=2, head_dim=16,
@@ -41,18 +40,8 @@ def counted(fn) -> dict[str, float]:
 
 
 def tiny_setup(sc: Scaled = TINY, **cfg_overrides):
-    cfg = load_config(None, sc.overrides() + [f"{k}={v}" for k, v in cfg_overrides.items()])
-    torch.manual_seed(0)
-    target = TinyQwen3(cfg.model.target).eval()
-    for p in target.parameters():
-        p.requires_grad_(False)
-    batch = _batch(sc)
-    anchors, anchor_cu = draw_anchors(batch.loss_mask, batch.cu_seqlens, sc.num_anchors, anchor_generator(0, 0, 0))
-    starts = torch.repeat_interleave(batch.cu_seqlens[:-1], anchor_cu.diff())
-    shape = BatchShape(tokens=batch.num_tokens, seqs=batch.num_seqs, anchors=anchors.numel(),
-                       seq_lens=tuple(batch.cu_seqlens.diff().tolist()), seq_anchors=tuple(anchor_cu.diff().tolist()),
-                       anchor_pos=tuple((anchors - starts).tolist()))
-    return cfg, target, batch, anchors, anchor_cu, shape
+    """The bench's own scaled job on the CPU, in float32."""
+    return scaled_job(sc, torch.device("cpu"), tuple(f"{k}={v}" for k, v in cfg_overrides.items()))
 
 
 def within(a: float, b: float, tol: float = 0.05) -> bool:

@@ -103,8 +103,9 @@ def measured_rates(seconds: dict, work: dict, name: str) -> tuple[C.Device, C.Ef
                          block_attention=rate["block_attention"] / mm, memory=1.0, link=1.0, network=1.0))
 
 
-def _scaled_job(sc, dev):
-    """(cfg, target, batch, anchors, anchor_cu, BatchShape with the drawn anchors) at scaled shape `sc`."""
+def scaled_job(sc, dev, overrides: tuple[str, ...] = ()):
+    """(cfg, target, batch, anchors, anchor_cu, BatchShape with the drawn anchors) at scaled shape `sc`,
+    with config `overrides` (key=value) on top."""
     import torch
 
     from dflash_dist.bench.memory import _batch
@@ -112,7 +113,7 @@ def _scaled_job(sc, dev):
     from dflash_dist.models.qwen3 import TinyQwen3
     from dflash_dist.objective import anchor_generator, draw_anchors
 
-    cfg = load_config(None, sc.overrides())
+    cfg = load_config(None, sc.overrides() + list(overrides))
     torch.manual_seed(0)
     target = TinyQwen3(cfg.model.target).to(dev, torch.bfloat16 if sc.bf16 else torch.float32).eval()
     for p in target.parameters():
@@ -153,7 +154,7 @@ def _measure_and_predict(sc, reps: int, dev) -> dict:
     from dflash_dist.models.build import build_drafter, draft_spec
     from dflash_dist.step import drafter_step
 
-    cfg, target, batch, anchors, anchor_cu, shape = _scaled_job(sc, dev)
+    cfg, target, batch, anchors, anchor_cu, shape = scaled_job(sc, dev)
     spec = draft_spec(cfg, target)
     layer_ids = list(spec.target_layer_ids)
     model = build_drafter(spec, target, cfg.model.draft.seed, dev, False)
