@@ -21,11 +21,12 @@ from slurm_cluster import SBATCH, SlurmCluster
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / "launch" / "run.sh"
 
-# The Slurm tests' job: 1754 steps, at most 31 a second on the idle 2-core CPU machine (12 when it is
-# busy), so about a minute of training at least: long enough for the time-limit warning, which Slurm
-# sends 25-56 s after the start of a 2-minute job with --signal=USR2@65 (it checks limits every 30 s),
-# to land during training, after the start-up (6 s idle, 17 s busy).
-JOB = helpers.TINY + ["train.epochs=8", "data.synthetic.num_samples=3000", "data.synthetic.regenerate=false",
+# The Slurm tests' job: 5262 steps, at most ~60 a second on the idle 2-core CPU machine (a clean-clone CI
+# run trained 1754 of them in 30 s; 12 a second when it is busy), so about 90 s of training at least: long
+# enough for the time-limit warning, which Slurm sends 25-56 s after the start of a 2-minute job with
+# --signal=USR2@65 (it checks limits every 30 s), to land during training, after the start-up (6 s idle,
+# 17 s busy).
+JOB = helpers.TINY + ["train.epochs=24", "data.synthetic.num_samples=3000", "data.synthetic.regenerate=false",
                       "train.sync_every=2", "train.checkpoint_every_steps=50", "monitor.interval_s=0.5",
                       "dist.dead_after_s=3", "dist.heartbeat_s=0.5"]
 SLURM_ENV = {"NPROC": "3", "OMP_NUM_THREADS": "1"}
@@ -100,7 +101,9 @@ def test_time_limit_warning_a_stop_by_hand_and_a_killed_rank_each_requeue_and_re
     3. A rank killed -9: the others exit, the script requeues it as a failure (counted) and it resumes
        from the last periodic checkpoint."""
     job, log, run_dir = run_job(cluster, tmp_path, ["--time=2", "--signal=USR2@65"])
-    wait_for(lambda: cluster.job(job)["Restarts"] == "1", 300, "the time-limit warning's requeue")
+    info = wait_for(lambda: (lambda i: i if i["Restarts"] == "1" or i["JobState"] == "COMPLETED" else None)(
+        cluster.job(job)), 300, "the time-limit warning's requeue")
+    assert info["Restarts"] == "1", "the job finished before Slurm's warning: make JOB longer"
     cluster.run("scontrol", "update", f"JobId={job}", "TimeLimit=30")
     training_started(run_dir, max(steps_saved(run_dir)))
     cluster.signal(job, "--signal=USR2", "--batch")
