@@ -1,6 +1,7 @@
 """Nothing silent, nothing lost (issue 11): checkpoint checksums and fallback, failed and interrupted
 writes, the run-directory lock, SIGINT, valid JSON, samples without an anchor, and sinks that survive a
 full disk or an unreachable wandb."""
+import contextlib
 import errno
 import json
 import logging
@@ -215,36 +216,34 @@ def test_a_run_dir_under_a_regular_file_is_a_config_error(tmp_path):
         check_writable(tmp_path / "file" / "run")
 
 
+@contextlib.contextmanager
+def read_only(path):
+    """`path` cannot be written while inside. root ignores permission bits: the directory is made immutable
+    instead (ext4/xfs; chattr +i)."""
+    root = os.geteuid() == 0
+    subprocess.run(["chattr", "+i", str(path)] if root else ["chmod", "555", str(path)], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(path)] if root else ["chmod", "755", str(path)], check=True)
+
 def test_a_read_only_run_dir_is_a_config_error(tmp_path):
     ro = tmp_path / "ro"
     ro.mkdir()
     check_writable(ro)
     assert list(ro.iterdir()) == []  # the probe is removed
-    # root ignores permission bits: make the directory immutable instead (ext4/xfs; chattr +i).
-    lock = ["chattr", "+i", str(ro)] if os.geteuid() == 0 else ["chmod", "555", str(ro)]
-    unlock = ["chattr", "-i", str(ro)] if os.geteuid() == 0 else ["chmod", "755", str(ro)]
-    subprocess.run(lock, check=True)
-    try:
-        with pytest.raises(ConfigError, match=r"config key 'train.run_dir': .*/ro is not writable: "
-                                              r"(Operation not permitted|Permission denied)"):
-            check_writable(ro)
-    finally:
-        subprocess.run(unlock, check=True)
+    with read_only(ro), pytest.raises(ConfigError, match=r"config key 'train.run_dir': .*/ro is not writable: "
+                                                         r"(Operation not permitted|Permission denied)"):
+        check_writable(ro)
 
 
 @pytest.mark.parametrize("sub", ["export", "checkpoints"])
 def test_a_read_only_export_or_checkpoints_directory_is_a_config_error(tmp_path, sub):
     (tmp_path / sub).mkdir()
     check_writable(tmp_path)
-    lock = ["chattr", "+i", str(tmp_path / sub)] if os.geteuid() == 0 else ["chmod", "555", str(tmp_path / sub)]
-    unlock = ["chattr", "-i", str(tmp_path / sub)] if os.geteuid() == 0 else ["chmod", "755", str(tmp_path / sub)]
-    subprocess.run(lock, check=True)
-    try:
-        with pytest.raises(ConfigError, match=rf"config key 'train.run_dir': .*/{sub} is not writable: "
-                                              r"(Operation not permitted|Permission denied)"):
-            check_writable(tmp_path)
-    finally:
-        subprocess.run(unlock, check=True)
+    with read_only(tmp_path / sub), pytest.raises(ConfigError, match=rf"config key 'train.run_dir': .*/{sub} is not "
+                                                                    r"writable: (Operation not permitted|Permission denied)"):
+        check_writable(tmp_path)
     assert list((tmp_path / sub).iterdir()) == []  # the probe is removed
 
 
