@@ -113,7 +113,7 @@ class PlanConfig:
     token_budget: int = num(1024, ge=1)  # real tokens per batch (49,152 in the reference run)
     max_seqs: int = num(64, ge=1)
     max_anchors: int = num(0, ge=0)  # 0 = no cap on anchors per batch
-    packing: str = "fill"  # fill: next-fit of the long half, gaps filled with the short half; next_fit; sorted (plan.py)
+    packing: str = "fill"  # fill: next-fit of the long half, gaps filled with the short half; next_fit; sorted (plan/epochs.py)
 
 
 @dataclass

@@ -17,21 +17,22 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dflash_dist.checkpoint import begin_run, check_resume_data, cleanup_leftovers, read_meta, resolve_resume
+from dflash_dist.checkpoints.store import begin_run, check_resume_data, cleanup_leftovers, read_meta, resolve_resume
 from dflash_dist.config import Config, ConfigError, load_config
 from dflash_dist.data.dataset import preparation_skips
 from dflash_dist.data.digest import dataset_digest
 from dflash_dist.data.synthetic import synthetic_dataset
-from dflash_dist.dist import DistContext, agree_on_failure, env_ranks, init_distributed, setup_logging, teardown
-from dflash_dist.liveness import DONE, FAILED, Liveness
+from dflash_dist.parallel.dist import DistContext, agree_on_failure, env_ranks, init_distributed, setup_logging, teardown
+from dflash_dist.parallel.liveness import DONE, FAILED, Liveness
 from dflash_dist.models.build import build_target, draft_spec
-from dflash_dist.plan import check_trainable, count_epochs
-from dflash_dist.reporting import evaluates
-from dflash_dist.run import RoleResult, RunSetup
-from dflash_dist.runlock import RunLock, check_writable
-from dflash_dist.stats import EXIT_DIVERGED, Diverged
-from dflash_dist.stop import EXIT_RESUME, StopFlag, record_exit_code
-from dflash_dist.topology import Layout, TopologyError
+from dflash_dist.plan.epochs import check_trainable, count_epochs
+from dflash_dist.roles.reporter import evaluates
+from dflash_dist.training.setup import RoleResult, RunSetup
+from dflash_dist.checkpoints.runlock import RunLock, check_writable
+from dflash_dist.exits import EXIT_DIVERGED, EXIT_RESUME, record_exit_code
+from dflash_dist.training.stats import Diverged
+from dflash_dist.parallel.stop import StopFlag
+from dflash_dist.parallel.topology import Layout, TopologyError
 
 log = logging.getLogger("dflash_dist.train")
 
@@ -53,7 +54,7 @@ def open_dataset(cfg: Config, target=None, device=None):
     ds = synthetic_dataset(cfg.data.synthetic, cfg.model.target.vocab_size)
     if target is None or not cfg.data.synthetic.regenerate:
         return ds
-    from dflash_dist.data.regenerate import cached_regenerate, regenerate_responses, regeneration_key
+    from dflash_dist.data.target_corpus import cached_regenerate, regenerate_responses, regeneration_key
     return cached_regenerate(cfg.data.cache_dir, regeneration_key(cfg, device),
                              lambda: regenerate_responses(target, ds))
 
@@ -140,8 +141,8 @@ def preflight(cfg: Config, ctx: DistContext, ds, plans) -> None:
         device_gib = torch.cuda.get_device_properties(ctx.device).total_memory / 2**30
     if device_gib <= 0:
         return
-    from dflash_dist import memory
-    from dflash_dist.model_shapes import model_shapes
+    from dflash_dist.forecast import memory
+    from dflash_dist.forecast.shapes import model_shapes
     worst = memory.worst_of_plans(cfg, plans, ds.lengths, ds.num_anchorable)
     pred = memory.predict(cfg, model_shapes(cfg), list(worst.values()), device_gib)
     # (Colocated ranks hold both roles' memory at once; each role alone is what is checked.)

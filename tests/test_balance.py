@@ -1,4 +1,4 @@
-from dflash_dist.balance import balance_advice, format_advice
+from dflash_dist.observe.balance import balance_advice, format_advice
 
 
 def test_drafter_bound_job_gets_more_drafters():

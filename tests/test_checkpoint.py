@@ -12,13 +12,13 @@ import torch.distributed as dist
 
 from helpers import spawn
 
-from dflash_dist import checkpoint
-from dflash_dist.checkpoint import (Cursor, begin_run, check_resume_data, cleanup_leftovers, completed, layout_meta,
+from dflash_dist.checkpoints import store as checkpoint
+from dflash_dist.checkpoints.store import (Cursor, begin_run, check_resume_data, cleanup_leftovers, completed, layout_meta,
                                     list_checkpoints, read_meta, resolve_resume, save_checkpoint)
 from dflash_dist.config import ConfigError, load_config, to_dict
 from dflash_dist.data.dataset import TokenDataset
 from dflash_dist.data.digest import dataset_digest
-from dflash_dist.topology import Layout
+from dflash_dist.parallel.topology import Layout
 
 ONE = Layout(2, 2, 1)  # one drafter, one target
 
@@ -90,7 +90,7 @@ def test_a_plan_change_is_allowed_only_at_an_epoch_boundary(tmp_path, change, ca
                        + r".*train.resume=none"):
         resolve_resume(changed, ONE)
     save_checkpoint(tmp_path, 4, {}, _meta(cfg, 2, 0))  # epoch boundary: allowed, and said
-    with caplog.at_level(logging.WARNING, logger="dflash_dist.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="dflash_dist.checkpoints.store"):
         assert resolve_resume(changed, ONE) == (checkpoint.checkpoint_path(tmp_path, 4), Cursor(2, 0))
     assert "at the start of epoch 3 with settings that change the plan" in caplog.text
     assert change.split("=")[0] in caplog.text
@@ -104,12 +104,12 @@ def test_a_plan_change_is_allowed_only_at_an_epoch_boundary(tmp_path, change, ca
 def test_a_layout_change_resumes_and_says_what_changed(tmp_path, now, changed, caplog):
     cfg = load_config(None, [f"train.run_dir={tmp_path}"])
     save_checkpoint(tmp_path, 7, {}, _meta(cfg, 1, 5))  # mid-epoch is fine: the plan does not depend on it
-    with caplog.at_level(logging.WARNING, logger="dflash_dist.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="dflash_dist.checkpoints.store"):
         assert resolve_resume(cfg, now)[1] == Cursor(1, 5)
     assert f"on another layout ({changed}" in caplog.text
     assert "exactly in data order" in caplog.text and "not bitwise" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="dflash_dist.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="dflash_dist.checkpoints.store"):
         resolve_resume(cfg, ONE)
     assert "layout" not in caplog.text
 
@@ -121,8 +121,8 @@ def test_completed(tmp_path):
 
 
 def _agree_worker(rank, port, q):
-    from dflash_dist.dist import DistContext, agree_on_failure
-    from dflash_dist.topology import Layout
+    from dflash_dist.parallel.dist import DistContext, agree_on_failure
+    from dflash_dist.parallel.topology import Layout
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=3, timeout=datetime.timedelta(seconds=20))
     try:
@@ -147,7 +147,7 @@ def test_a_failure_on_one_rank_stops_every_rank_with_its_message():
 
 
 def test_mid_epoch_resume_refuses_a_plan_that_changed(tmp_path):
-    from dflash_dist.checkpoint import check_plan
+    from dflash_dist.checkpoints.store import check_plan
 
     meta = {"cursor": {"epoch": 1, "batch": 4}, "plan_digests": ["aaa", "bbb", "ccc"]}
     check_plan(meta, tmp_path, ["aaa", "bbb", "ccc"])  # the same plans: fine
@@ -222,7 +222,7 @@ def test_data_changed_under_a_checkpoint_is_refused_naming_what_changed(tmp_path
             check_resume_data(meta, tmp_path, cfg, [4, 4, 4], ["a", "b", "c"], dataset_digest(now))
     # New data under a new data.path is the user's choice: allowed at an epoch boundary, and said.
     moved = _cfg(tmp_path, "data.path=/data/v2")
-    with caplog.at_level(logging.WARNING, logger="dflash_dist.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="dflash_dist.checkpoints.store"):
         check_resume_data({"cursor": {"epoch": 1, "batch": 0}, "config": to_dict(cfg), "data": then}, tmp_path,
                           moved, [4, 4, 4], ["a", "b", "c"], dataset_digest(now))
     assert f"on new data (data.path): {said}" in caplog.text
@@ -238,7 +238,7 @@ def test_pruning_keeps_the_newest_checkpoint_known_to_be_good(tmp_path):
 
 
 def _state(cfg, steps, last_finite):
-    from dflash_dist.train_state import TrainState
+    from dflash_dist.training.state import TrainState
     st = TrainState.create(torch.nn.Linear(3, 3), cfg, total_steps=10)
     st.totals.steps, st.totals.last_finite_step = steps, last_finite
     return st
@@ -273,8 +273,8 @@ def test_a_divergence_sets_aside_what_led_only_to_nonfinite_steps(tmp_path):
 
 
 def test_a_lower_learning_rate_is_allowed_at_a_resume_and_applied(tmp_path, caplog):
-    from dflash_dist.sharding import Replicas
-    from dflash_dist.train_state import TrainState, lr_lambda
+    from dflash_dist.parallel.sharding import Replicas
+    from dflash_dist.training.state import TrainState, lr_lambda
     cfg, low = _cfg(tmp_path, "optim.lr=0.5"), _cfg(tmp_path, "optim.lr=0.01", "optim.grad_clip=0.5")
     model = torch.nn.Linear(3, 3)
     st = TrainState.create(model, cfg, total_steps=10)
@@ -285,7 +285,7 @@ def test_a_lower_learning_rate_is_allowed_at_a_resume_and_applied(tmp_path, capl
              "scheduler": st.scheduler.state_dict(), "rng": torch.get_rng_state(),
              "totals": {"steps": 4}, "history": {}}  # totals saved before last_finite_step was kept
     save_checkpoint(tmp_path, 4, {}, dict(_meta(cfg, 0, 4), step=4))
-    with caplog.at_level(logging.WARNING, logger="dflash_dist.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="dflash_dist.checkpoints.store"):
         assert resolve_resume(low, ONE)[1] == Cursor(0, 4)
     assert "with another optim.grad_clip and optim.lr (allowed at any resume" in caplog.text
     sharding = Replicas.__new__(Replicas)  # one process: no group to broadcast over

@@ -1,4 +1,4 @@
-"""The cost model (dflash_dist.cost): its FLOP counts against torch's own count of the real code, the split
+"""The cost model (dflash_dist.forecast.cost): its FLOP counts against torch's own count of the real code, the split
 it picks, the start-of-run lines, the bench command, and its drafter:target time ratio against the real
 code's on CPU."""
 from __future__ import annotations
@@ -12,17 +12,17 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from dflash_dist import cost as C
+from dflash_dist.forecast import cost as C
 from dflash_dist.bench import cost as bench_cost
 from dflash_dist.bench.cost import scaled_job
 from dflash_dist.bench.memory import Scaled
-from dflash_dist.capture import capture_for_drafter
+from dflash_dist.training.capture import capture_for_drafter
 from dflash_dist.config import load_config, loss_gamma
-from dflash_dist.memory import BatchShape, Precision, Sharding
-from dflash_dist.model_shapes import model_shapes
+from dflash_dist.forecast.memory import BatchShape, Precision, Sharding
+from dflash_dist.forecast.shapes import model_shapes
 from dflash_dist.models import attention as attn
 from dflash_dist.models.build import build_drafter, draft_spec
-from dflash_dist.step import drafter_step
+from dflash_dist.training.step import drafter_step
 
 TINY = Scaled(hidden=64, vocab=512, intermediate=192, target_layers=4, heads=4, kv_heads=2, head_dim=16,
               draft_layers=2, seqs=3, seq_len=70, prompt=10, num_anchors=12, anchor_chunk=16, loss_rows=64)
@@ -140,7 +140,7 @@ def test_tensor_parallel_splits_keep_whole_replicas():
 def test_start_of_run_warning(caplog):
     fc = _forecast(["roles.drafters_per_node=1"])
     assert fc.slowdown > C.SLOW_WARN
-    with caplog.at_level(logging.INFO, logger="dflash_dist.cost"):
+    with caplog.at_level(logging.INFO, logger="dflash_dist.forecast.cost"):
         C.log_start(fc)
     rec = caplog.records[-1]
     assert rec.levelno == logging.WARNING
@@ -154,7 +154,7 @@ def test_start_of_run_warning(caplog):
 def test_predict_run_on_a_dataset(tmp_path):
     """A run's own forecast: its dataset's plan, its layout (a 4-rank node, 1 drafter)."""
     from dflash_dist.data.synthetic import synthetic_dataset
-    from dflash_dist.topology import Layout
+    from dflash_dist.parallel.topology import Layout
     cfg = load_config(None, ["data.synthetic.num_samples=60", "roles.drafters_per_node=1"])
     ds = synthetic_dataset(cfg.data.synthetic, cfg.model.target.vocab_size)
     fc = C.predict_run(cfg, ds, Layout(4, 4, 1), "cpu", batches=123)
@@ -188,7 +188,7 @@ def test_validate_ratio_on_cpu():
 
 
 def test_balance_advice_prints_predicted_beside_measured():
-    from dflash_dist.balance import balance_advice, format_advice
+    from dflash_dist.observe.balance import balance_advice, format_advice
     pred = {"target_s_per_batch": 0.012, "drafter_s_per_batch": 0.05, "drafter_step_s": 0.06,
             "best_drafters_per_node": 6, "device": "H200"}
     a = balance_advice(1.0, 7.0, 100, 8, 1, 0.8, 0.01, predicted=pred)
@@ -250,7 +250,7 @@ def test_gpu_check_cost_section_fails_outside_the_ratio_range(monkeypatch):
 def test_one_rank_per_node_has_no_split_but_a_forecast():
     """A colocated single-process run: the per-batch forecast, no split, no warning."""
     from dflash_dist.data.synthetic import synthetic_dataset
-    from dflash_dist.topology import Layout
+    from dflash_dist.parallel.topology import Layout
     cfg = load_config(None, ["data.synthetic.num_samples=40", "roles.mode=colocated"])
     ds = synthetic_dataset(cfg.data.synthetic, cfg.model.target.vocab_size)
     fc = C.predict_run(cfg, ds, Layout(1, 1, 1, colocated=True), "cpu", batches=10)

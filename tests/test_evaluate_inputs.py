@@ -13,7 +13,7 @@ import torch
 
 from dflash_dist.config import load_config
 from dflash_dist.evaluate import main
-from dflash_dist.export import export_drafter
+from dflash_dist.models.export import export_drafter
 from dflash_dist.models.build import build_drafter, build_target, draft_spec
 
 CPU = torch.device("cpu")

@@ -123,7 +123,7 @@ def test_default_mask_token_is_the_tokenizers_or_the_first_unused_row(tmp_path):
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    from dflash_dist.models.hf_target import default_mask_token_id
+    from dflash_dist.models.head import default_mask_token_id
     vocab = {f"w{i}": i for i in range(40)}
     fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="w0")))
     fast.save_pretrained(tmp_path / "plain")

@@ -15,9 +15,9 @@ import torch.multiprocessing as mp
 from dflash_dist.bench.transport import free_port
 from dflash_dist.data.collate import PackedBatch
 from dflash_dist.models.drafter import DFlashDrafter, DraftSpec
-from dflash_dist.objective import anchor_generator, draw_anchors
-from dflash_dist.sharding import make_sharding
-from dflash_dist.step import drafter_step
+from dflash_dist.training.objective import anchor_generator, draw_anchors
+from dflash_dist.parallel.sharding import make_sharding
+from dflash_dist.training.step import drafter_step
 
 B, V, H = 4, 48, 32
 SPEC = DraftSpec(vocab_size=V, hidden_size=H, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -9,11 +9,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from dflash_dist import memory as M
+from dflash_dist.forecast import memory as M
 from dflash_dist.bench import memory as BM
 from dflash_dist.config import load_config
-from dflash_dist.model_shapes import TARGET_SHAPES, builtin_shape_name, model_shapes
-from dflash_dist.plan import build_plan, plan_kwargs
+from dflash_dist.forecast.shapes import TARGET_SHAPES, builtin_shape_name, model_shapes
+from dflash_dist.plan.epochs import build_plan, plan_kwargs
 
 REF = "configs/qwen3_8b.yaml"
 
@@ -94,7 +94,7 @@ def test_worst_batches_are_those_of_the_plan():
 
 def test_tail_anchorable_counts_what_draw_anchors_draws_from():
     import torch
-    from dflash_dist.objective import draw_anchors
+    from dflash_dist.training.objective import draw_anchors
     for length, sup in ((10, 3), (10, 10), (5, 2), (3, 3), (12, 0), (2, 1), (1, 1)):
         mask = torch.zeros(length, dtype=torch.bool)
         mask[length - sup:] = True

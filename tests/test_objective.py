@@ -6,7 +6,7 @@ import torch
 
 from dflash_dist.data.collate import position_ids
 from dflash_dist.models.drafter import DFlashDrafter, DraftSpec
-from dflash_dist.objective import anchor_generator, block_labels, dflash_loss, draw_anchors
+from dflash_dist.training.objective import anchor_generator, block_labels, dflash_loss, draw_anchors
 
 B = 8
 SPEC = DraftSpec(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -120,7 +120,7 @@ def test_a_response_shorter_than_a_block_is_trained_to_its_last_token_at_slot_1(
 
 def test_no_anchor_means_no_supervised_token_after_the_first():
     from dflash_dist.data.dataset import TokenDataset
-    from dflash_dist.plan import build_plan
+    from dflash_dist.plan.epochs import build_plan
     masks = [[1, 0, 0], [0, 1], [1], [1, 1], [0, 0, 0, 1], [1, 0, 1]]
     offsets = np.cumsum([0] + [len(m) for m in masks])
     ds = TokenDataset(np.zeros(offsets[-1], dtype=np.int64), offsets, np.concatenate(masks).astype(np.uint8), 10)

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from dflash_dist.plan import build_plan, epoch_generator, permutation
+from dflash_dist.plan.epochs import build_plan, epoch_generator, permutation
 
 
 def realistic(n=3000, seed=0):

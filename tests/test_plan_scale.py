@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from dflash_dist.plan import build_plan, epoch_generator, permutation
+from dflash_dist.plan.epochs import build_plan, epoch_generator, permutation
 
 N, BUDGET, MAX_SEQS = 902_000, 49_152, 64
 

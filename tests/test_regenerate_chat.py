@@ -19,7 +19,8 @@ from dflash_dist.bench.regenerate import conversations, make_target, write_jsonl
 from dflash_dist.data.prepare import parse_messages
 from dflash_dist.data.regen import chunks
 from dflash_dist.data.regen.chat import ChatRenderer, parse_line, stop_token_ids
-from dflash_dist.data.regen.engine import EngineSpec, Sampling, build_engine
+from dflash_dist.data.regen.engine import EngineSpec, Sampling
+from dflash_dist.data.regen.engines import build_engine
 from dflash_dist.data.regen.run import Job, Shard, generation_config, load_tokenizer, run
 
 MAX_NEW = 24

@@ -18,17 +18,17 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_dist import checkpoint
-from dflash_dist.checkpoint import (CheckpointWriteError, cleanup_leftovers, layout_meta, list_checkpoints,
+from dflash_dist.checkpoints import store as checkpoint
+from dflash_dist.checkpoints.store import (CheckpointWriteError, cleanup_leftovers, layout_meta, list_checkpoints,
                                     resolve_resume, save_checkpoint)
 from dflash_dist.config import ConfigError, load_config, to_dict
 from dflash_dist.data.dataset import TokenDataset
-from dflash_dist.fsutil import write_json
-from dflash_dist.objective import draw_anchors
-from dflash_dist.plan import check_trainable, plan_for_epoch
-from dflash_dist.runlock import RunLock, check_writable
-from dflash_dist.stop import StopFlag
-from dflash_dist.topology import Layout
+from dflash_dist.checkpoints.files import write_json
+from dflash_dist.training.objective import draw_anchors
+from dflash_dist.plan.epochs import check_trainable, plan_for_epoch
+from dflash_dist.checkpoints.runlock import RunLock, check_writable
+from dflash_dist.parallel.stop import StopFlag
+from dflash_dist.parallel.topology import Layout
 
 ONE = Layout(2, 2, 1)
 
@@ -56,7 +56,7 @@ def test_a_corrupt_newest_checkpoint_is_skipped_for_the_newest_valid_one(tmp_pat
     _flip_byte(c30 / "drafter.pt")  # same size, one bit pattern changed: only the checksum sees it
     with open(c20 / "drafter.pt", "r+b") as f:  # a torn copy
         f.truncate(100)
-    with caplog.at_level(logging.WARNING, logger="dflash_dist.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="dflash_dist.checkpoints.store"):
         path, cursor = resolve_resume(cfg, ONE)
     assert path == c10 and cursor.batch == 10
     assert torch.equal(torch.load(path / "drafter.pt")["w"], torch.full((64,), 10.0))
@@ -162,7 +162,7 @@ def test_an_interrupted_prune_leaves_no_partial_checkpoint_and_leftovers_go_at_t
 
 HOLD = """
 import sys, time
-from dflash_dist.runlock import RunLock
+from dflash_dist.checkpoints.runlock import RunLock
 from dflash_dist.config import ConfigError
 try:
     lock = RunLock(sys.argv[1]).acquire()
@@ -251,8 +251,8 @@ def test_an_export_that_cannot_be_written_is_a_clear_error_not_a_traceback(tmp_p
     """An export/ made read-only during the run (at start it is probed): exit 2 saying what to do."""
     from types import SimpleNamespace
 
-    from dflash_dist import reporting
-    from dflash_dist.train_state import Totals
+    from dflash_dist.roles import reporter as reporting
+    from dflash_dist.training.state import Totals
 
     def denied(spec, state, out_dir, **kw):
         raise PermissionError(errno.EACCES, "Permission denied", str(out_dir / "model.safetensors"))
@@ -396,10 +396,10 @@ def _wandb_cfg(mode, timeout=20.0):
 
 
 def test_a_full_disk_turns_the_jsonl_sink_off_with_one_warning(tmp_path, caplog):
-    from dflash_dist.monitor import Sinks
+    from dflash_dist.observe.monitor import Sinks
     os.symlink("/dev/full", tmp_path / "metrics.jsonl")  # every write: ENOSPC
     sinks = Sinks(tmp_path, _wandb_cfg("disabled"), {})
-    with caplog.at_level(logging.WARNING, logger="dflash_dist.monitor"):
+    with caplog.at_level(logging.WARNING, logger="dflash_dist.observe.monitor"):
         for step in range(3):
             sinks.write({"kind": "note", "step": step}, console=False)
     sinks.close()
@@ -410,7 +410,7 @@ def test_a_full_disk_turns_the_jsonl_sink_off_with_one_warning(tmp_path, caplog)
 
 
 def test_jsonl_records_are_valid_json(tmp_path):
-    from dflash_dist.monitor import Sinks
+    from dflash_dist.observe.monitor import Sinks
     sinks = Sinks(tmp_path, _wandb_cfg("disabled"), {})
     sinks.write({"kind": "progress", "step": 1, "loss": float("nan"), "eta_s": float("inf")}, console=False)
     sinks.close()
@@ -419,7 +419,7 @@ def test_jsonl_records_are_valid_json(tmp_path):
 
 
 def test_wandb_mode_from_the_environment_overrides_the_config(tmp_path, wandb_env):
-    from dflash_dist.monitor import Sinks, wandb_mode
+    from dflash_dist.observe.monitor import Sinks, wandb_mode
     assert wandb_mode("online") == "online"
     wandb_env.setenv("WANDB_MODE", "disabled")
     assert wandb_mode("offline") == "disabled"
@@ -431,7 +431,7 @@ def test_wandb_mode_from_the_environment_overrides_the_config(tmp_path, wandb_en
 
 
 def test_wandb_offline_resumes_the_same_run_id(tmp_path, wandb_env):
-    from dflash_dist.monitor import Sinks
+    from dflash_dist.observe.monitor import Sinks
     first = Sinks(tmp_path, _wandb_cfg("offline"), {"a": 1})
     run_id = first.run_id
     assert first.wandb is not None and first.wandb.settings.mode == "offline" and run_id
@@ -453,7 +453,7 @@ class FakeRun:
 
 
 def test_wandb_rows_are_never_overwritten_by_a_repeated_or_earlier_step(tmp_path):
-    from dflash_dist.monitor import Sinks
+    from dflash_dist.observe.monitor import Sinks
     sinks = Sinks(tmp_path, _wandb_cfg("disabled"), {})
     sinks.wandb = FakeRun()
     for kind, step, loss in [("progress", 4, 1.0), ("progress", 4, 2.0), ("epoch_end", 4, 3.0), ("progress", 6, 4.0),
@@ -469,11 +469,11 @@ def test_wandb_rows_are_never_overwritten_by_a_repeated_or_earlier_step(tmp_path
 
 
 def test_unreachable_wandb_online_falls_back_to_offline_within_the_timeout(tmp_path, wandb_env, caplog):
-    from dflash_dist.monitor import Sinks
+    from dflash_dist.observe.monitor import Sinks
     wandb_env.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens: connection refused, retried
     wandb_env.setenv("WANDB_API_KEY", "x" * 40)
     t0 = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="dflash_dist.monitor"):
+    with caplog.at_level(logging.WARNING, logger="dflash_dist.observe.monitor"):
         sinks = Sinks(tmp_path, _wandb_cfg("online", timeout=2.0), {})
     took = time.monotonic() - t0
     try:
@@ -557,7 +557,7 @@ def test_ctrl_c_stops_on_every_rank_saves_and_exits_75(tmp_path):
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 def test_a_damaged_regeneration_cache_file_is_named_and_regenerated(tmp_path, caplog, damage):
     from dflash_dist.data.dataset import TokenDataset
-    from dflash_dist.data.regenerate import cached_regenerate
+    from dflash_dist.data.target_corpus import cached_regenerate
     made = []
 
     def fn():
@@ -572,7 +572,7 @@ def test_a_damaged_regeneration_cache_file_is_named_and_regenerated(tmp_path, ca
             fh.truncate(f.stat().st_size // 2)
     else:
         _flip_byte(f, at=f.stat().st_size // 3)  # inside the tokens member: its CRC no longer matches
-    with caplog.at_level(logging.WARNING, logger="dflash_dist.data.regenerate"):
+    with caplog.at_level(logging.WARNING, logger="dflash_dist.data.target_corpus"):
         again = cached_regenerate(tmp_path, {"k": 1}, fn)
     assert len(made) == 2 and f"cache file {f} is damaged" in caplog.text
     assert np.array_equal(again.tokens, first.tokens) and np.array_equal(again.offsets, first.offsets)

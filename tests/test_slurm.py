@@ -117,7 +117,7 @@ def test_time_limit_warning_a_stop_by_hand_and_a_killed_rank_each_requeue_and_re
     by_slurm = re.search(r"stopped on request at epoch \d+ batch \d+ \(SIGUSR2 received here", out)
     assert by_slurm and by_slurm.start() < out.index("slurm: SIGUSR2 to the batch script"), \
         "the first stop is Slurm's own warning"
-    assert out.count("dflash_dist.stop: received SIGUSR2") == 6, "every rank gets each stop request"
+    assert out.count("dflash_dist.parallel.stop: received SIGUSR2") == 6, "every rank gets each stop request"
     assert out.count("local ranks' exit codes: 75 75 75 -> exit 75") == 2
     assert out.count("training stopped with its state saved (exit 75); requeueing") == 2
     assert re.search(r"training failed with exit \d+ \(failure 1 of at most 2 requeued\); requeueing", out)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from dflash_dist.config import ConfigError, load_config
-from dflash_dist.plan import build_plan
+from dflash_dist.plan.epochs import build_plan
 
 
 def _corpus(n=3000, seed=0):

@@ -1,7 +1,8 @@
 """The step stats drafters all-reduce: one packing, named fields, device tensors and host numbers alike."""
 import torch
 
-from dflash_dist.stats import StepStats, wait_fraction
+from dflash_dist.observe.monitor import wait_fraction
+from dflash_dist.training.stats import StepStats
 
 
 def test_pack_and_unpack_round_trip_with_tensor_and_number_fields():

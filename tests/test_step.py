@@ -4,9 +4,9 @@ import torch
 
 from dflash_dist.data.collate import PackedBatch
 from dflash_dist.models.drafter import DFlashDrafter, DraftSpec
-from dflash_dist.objective import anchor_generator, dflash_loss, draw_anchors
-from dflash_dist.step import batch_targets, drafter_step
-from dflash_dist.transport import TargetLabels
+from dflash_dist.training.objective import anchor_generator, dflash_loss, draw_anchors
+from dflash_dist.training.step import batch_targets, drafter_step
+from dflash_dist.parallel.transport import TargetLabels
 
 B, V, H = 4, 48, 32
 SPEC = DraftSpec(vocab_size=V, hidden_size=H, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -1,6 +1,6 @@
 import pytest
 
-from dflash_dist.topology import Layout, TopologyError
+from dflash_dist.parallel.topology import Layout, TopologyError
 
 
 @pytest.mark.parametrize("world, local, d", [(3, 3, 1), (4, 4, 2), (8, 8, 1), (8, 8, 5), (5, 5, 3), (16, 8, 2), (16, 8, 1)])

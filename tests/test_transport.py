@@ -8,7 +8,7 @@ import torch.distributed as dist
 from dflash_dist.data.collate import PackedBatch
 from helpers import spawn
 
-from dflash_dist.transport import PacketError, PacketSender, PendingPacket, RecvPool
+from dflash_dist.parallel.transport import PacketError, PacketSender, PendingPacket, RecvPool
 
 
 def _batch(seed):

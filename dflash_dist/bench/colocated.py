@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from dflash_dist.bars import track
+from dflash_dist.observe.bars import track
 from dflash_dist.bench.jobs import run_job, write_json
 
 COMMON = ["train.epochs=1", "data.synthetic.num_samples=1500", "monitor.interval_s=5"]

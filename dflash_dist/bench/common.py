@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from dflash_dist.bars import track
+from dflash_dist.observe.bars import track
 
 
 def sync(dev: torch.device) -> None:

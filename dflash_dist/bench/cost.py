@@ -5,7 +5,7 @@
         [--json OUT] [--validate]
 
 The batches are those of the real plan (every epoch of the prepared dataset when data.path is set, else
-of the 902K-sample reference chat mix), as `bench.memory` reads them; `dflash_dist.cost` says what each
+of the 902K-sample reference chat mix), as `bench.memory` reads them; `dflash_dist.forecast.cost` says what each
 term counts. One table: per role, TFLOP and predicted seconds of an average and of the worst batch; then
 one row per drafters_per_node (the drafters' lockstep step, the batches/s, the bottleneck), and the
 throughput and run time at the best and at the configured split.
@@ -26,9 +26,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from dflash_dist import cost as C
+from dflash_dist.forecast import cost as C
 from dflash_dist.config import ConfigError, load_config
-from dflash_dist.model_shapes import TARGET_SHAPES, model_shapes
+from dflash_dist.forecast.shapes import TARGET_SHAPES, model_shapes
 
 # target-heavy: a 9-layer capture, 8 anchors per sequence, one draft layer; drafter-heavy: a 3-layer
 # capture, 48 anchors per sequence, two draft layers. Both: hidden 256, I = 3H, 4 sequences of 256 tokens
@@ -59,7 +59,7 @@ def rate_probes(sc, rows: int, dev) -> tuple[dict, dict]:
     import torch
     import torch.nn.functional as F
 
-    from dflash_dist.memory import SDPA_GROUP
+    from dflash_dist.forecast.memory import SDPA_GROUP
     from dflash_dist.models.attention import _sdpa_block
     dt = torch.bfloat16 if sc.bf16 else torch.float32
     g = torch.Generator(device=dev).manual_seed(0)
@@ -109,9 +109,9 @@ def scaled_job(sc, dev, overrides: tuple[str, ...] = ()):
     import torch
 
     from dflash_dist.bench.memory import _batch
-    from dflash_dist.memory import BatchShape
+    from dflash_dist.forecast.memory import BatchShape
     from dflash_dist.models.qwen3 import TinyQwen3
-    from dflash_dist.objective import anchor_generator, draw_anchors
+    from dflash_dist.training.objective import anchor_generator, draw_anchors
 
     cfg = load_config(None, sc.overrides() + list(overrides))
     torch.manual_seed(0)
@@ -148,11 +148,11 @@ def validate_shape(overrides: dict, reps: int = 3, device: str = "cpu") -> dict:
 def _measure_and_predict(sc, reps: int, dev) -> dict:
     import torch
 
-    from dflash_dist.capture import capture_for_drafter
+    from dflash_dist.training.capture import capture_for_drafter
     from dflash_dist.config import loss_gamma
-    from dflash_dist.memory import Sharding
+    from dflash_dist.forecast.memory import Sharding
     from dflash_dist.models.build import build_drafter, draft_spec
-    from dflash_dist.step import drafter_step
+    from dflash_dist.training.step import drafter_step
 
     cfg, target, batch, anchors, anchor_cu, shape = scaled_job(sc, dev)
     spec = draft_spec(cfg, target)
@@ -230,7 +230,7 @@ def predicted_seconds(cfg, role: str, dev, lengths, seq_anchors=(), anchor_pos=(
     predicted is then the factor by which the default efficiencies are off on this machine."""
     import torch
 
-    from dflash_dist.memory import BatchShape, Precision, Sharding
+    from dflash_dist.forecast.memory import BatchShape, Precision, Sharding
     lengths = tuple(int(x) for x in lengths)
     w = BatchShape(tokens=sum(lengths), seqs=len(lengths), anchors=int(sum(seq_anchors)), seq_lens=lengths,
                    seq_anchors=tuple(int(x) for x in seq_anchors), anchor_pos=tuple(int(x) for x in anchor_pos))

@@ -13,7 +13,7 @@ first:
            step's loss and every gradient on the flex and sdpa paths against the ref path (float32 and
            bf16 autocast), and a transformers target's captured features on flex (and flash) against ref;
            a mismatch fails the section.
-  drafter  one training step (dflash_dist.step.drafter_step + AdamW) of the 5-layer drafter at Qwen3-8B
+  drafter  one training step (dflash_dist.training.step.drafter_step + AdamW) of the 5-layer drafter at Qwen3-8B
            width, on the batch with the mean and the one with the most anchors of the 902K-sample plan
            (configs/qwen3_8b.yaml: 49,152 tokens, 64 sequences, 512 anchors per sequence, its anchor
            chunk). Attention warm-up (path, compile seconds; the SDPA fallback exercised too), step time
@@ -54,8 +54,9 @@ from typing import Callable
 
 import numpy as np
 
+from dflash_dist.bench.gpu_setup import device, feature_layers, packed_batch, reference_drafter
 from dflash_dist.bench.sections import ROOT, Report, print_table, run_one, run_sections, run_tree
-from dflash_dist.config import Config, TargetConfig, default_target_layer_ids, load_config, loss_gamma
+from dflash_dist.config import Config, TargetConfig, load_config, loss_gamma
 
 # torch is imported where it is used: a section's process (and the hidden test section) starts in a
 # fraction of a second, and the parent process never loads what the sections measure.
@@ -71,17 +72,11 @@ LONG_SEQ = {False: 16_384, True: 96}  # the target batch's long sequence
 # Dense bf16 tensor-core peaks from NVIDIA's datasheets (no sparsity), in TFLOP/s.
 PEAK_TFLOPS = {"H200": 989, "H100 PCIe": 756, "H100": 989, "GH200": 989, "B200": 2250, "A100": 312, "L40S": 362,
                "A10": 125, "L4": 121}
-# A collective that timed out, or the heartbeat watchdog naming a silent or failed peer (dflash_dist.liveness).
+# A collective that timed out, or the heartbeat watchdog naming a silent or failed peer (dflash_dist.parallel.liveness).
 WATCHDOG = re.compile(r"(?i)watchdog caught|collective operation timeout|timed out|went silent|exiting instead of waiting")
 
 
 # -- shared set-up ------------------------------------------------------------------------------------
-
-def device(dry: bool) -> torch.device:
-    import torch
-
-    return torch.device("cpu") if dry else torch.device("cuda", 0)
-
 
 def reference_config(dry: bool) -> Config:
     """configs/qwen3_8b.yaml with the target described by its shape (kind=tiny: no model directory
@@ -94,18 +89,13 @@ def reference_config(dry: bool) -> Config:
     return load_config(str(ROOT / "configs" / "qwen3_8b.yaml"), ["model.target.kind=tiny", *shape])
 
 
-def feature_layers(cfg: Config) -> list[int]:
-    d, t = cfg.model.draft, cfg.model.target
-    return list(d.target_layer_ids) or default_target_layer_ids(t.num_layers, d.num_feature_layers)
-
-
 def plan_batches(cfg: Config, dry: bool) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], dict]:
     """The batch whose anchors are nearest the plan's mean and the one with the most, as (lengths,
     supervised) per sample, from epoch 0 of the benchmark's chat mix at the config's budgets. Anchors
     per sample: min(supervised, objective.num_anchors) (one more than draw_anchors finds only where a
     sample's first token is supervised)."""
     from dflash_dist.data.synthetic import chat_lengths
-    from dflash_dist.plan import build_plan
+    from dflash_dist.plan.epochs import build_plan
 
     lengths, supervised = chat_lengths(PLAN_SAMPLES[dry], cfg.plan.token_budget, cfg.train.seed)
     plan = build_plan(lengths, supervised, seed=cfg.train.seed, epoch=0, token_budget=cfg.plan.token_budget,
@@ -116,23 +106,6 @@ def plan_batches(cfg: Config, dry: bool) -> tuple[dict[str, tuple[np.ndarray, np
     return pick, {"batches": len(plan), "mean_anchors": float(per.mean()), "max_anchors": int(per.max())}
 
 
-def packed_batch(lengths, supervised, vocab: int, dev: torch.device, seed: int = 0):
-    """A PackedBatch of random tokens (never the last id, the drafter's mask token) whose last
-    `supervised` tokens of every sequence carry the loss, as a chat sample's reply would."""
-    import torch
-
-    from dflash_dist.data.collate import PackedBatch
-
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.as_tensor(np.asarray(lengths), dtype=torch.long)
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.long)
-    cu[1:] = lengths.cumsum(0)
-    ids = torch.randint(0, vocab - 1, (int(cu[-1]),), generator=g)
-    pos = torch.arange(int(cu[-1])) - torch.repeat_interleave(cu[:-1], lengths)
-    first_sup = torch.repeat_interleave(lengths - torch.as_tensor(np.asarray(supervised), dtype=torch.long), lengths)
-    return PackedBatch(ids, pos >= first_sup, cu).to(dev)
-
-
 def predicted_peak(cfg: Config, role: str, dev: torch.device, lengths, anchors_per_seq=(), anchor_pos=(),
                    attention: str = "flex") -> tuple[dict | None, str]:
     """The memory model's prediction for `role` at this one batch, as this check runs it (one process:
@@ -141,8 +114,8 @@ def predicted_peak(cfg: Config, role: str, dev: torch.device, lengths, anchors_p
     import torch
 
     try:
-        from dflash_dist import memory
-        from dflash_dist.model_shapes import model_shapes
+        from dflash_dist.forecast import memory
+        from dflash_dist.forecast.shapes import model_shapes
         lengths = [int(x) for x in lengths]
         seq_anchors = tuple(int(x) for x in anchors_per_seq)
         batch = memory.BatchShape(tokens=sum(lengths), seqs=len(lengths), anchors=sum(seq_anchors),
@@ -158,7 +131,7 @@ def predicted_peak(cfg: Config, role: str, dev: torch.device, lengths, anchors_p
         return None, f"n/a: memory model unavailable ({type(exc).__name__}: {str(exc)[:80]})"
     total = sum(terms.values()) / 2**30
     outside = (terms.get("slack", 0.0) + terms.get("cuda_reserved", 0.0)) / 2**30
-    return {"peak": total, "tensors": total - outside}, "dflash_dist.memory.predict"
+    return {"peak": total, "tensors": total - outside}, "dflash_dist.forecast.memory.predict"
 
 
 def peak_gib(dev: torch.device) -> tuple[float, float] | None:
@@ -204,7 +177,7 @@ def report_time(rep: Report, what: str, measured: float, cfg: Config, role: str,
     except Exception as exc:  # the measurement stands without the model: say why
         rep.add(f"{what} predicted s", "n/a", f"cost model unavailable ({type(exc).__name__}: {str(exc)[:80]})")
         return
-    rep.add(f"{what} predicted s", pred, "dflash_dist.cost: the device's peaks, default efficiencies")
+    rep.add(f"{what} predicted s", pred, "dflash_dist.forecast.cost: the device's peaks, default efficiencies")
     rep.add(f"{what} measured/predicted", measured / pred, "1: the default efficiencies hold here")
 
 
@@ -245,26 +218,6 @@ def section_env(rep: Report, dry: bool, deadline: float) -> None:
 
 # -- drafter ----------------------------------------------------------------------------------------
 
-def reference_drafter(cfg, dev, compute):
-    """(spec, DFlashDrafter) at the config's target shape, made on `dev`, with a random frozen head."""
-    import torch
-    from torch import nn
-
-    from dflash_dist.models.drafter import DFlashDrafter, DraftSpec
-    t = cfg.model.target
-    spec = DraftSpec(vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
-                     num_layers=cfg.model.draft.num_layers, num_heads=t.num_heads, num_kv_heads=t.num_kv_heads,
-                     head_dim=t.head_dim, rope_theta=t.rope_theta, rms_eps=t.rms_eps,
-                     block_size=cfg.objective.block_size, mask_token_id=t.vocab_size - 1,
-                     target_layer_ids=tuple(feature_layers(cfg)), num_target_layers=t.num_layers)
-    with torch.device(dev):  # parameters made where they live: no host copy of a 4 GB model
-        model = DFlashDrafter(spec, checkpoint_layers=cfg.model.draft.checkpoint_layers)
-        embed = nn.Embedding(t.vocab_size, t.hidden_size, dtype=compute)
-        head = nn.Linear(t.hidden_size, t.vocab_size, bias=False, dtype=compute)
-    model.attach_target_head(embed, head)
-    return spec, model
-
-
 def warm_block_attention(rep: Report, dev, compute, t, block_size: int) -> None:
     """The drafter op's warm-up as the drafter role runs it (bf16 autocast on CUDA, float32 on CPU), and
     whether its SDPA fallback runs forward and backward here."""
@@ -288,8 +241,8 @@ def section_drafter(rep: Report, dry: bool, deadline: float) -> None:
 
     from dflash_dist.bench.common import timed
     from dflash_dist.models import attention as attn
-    from dflash_dist.objective import draw_anchors
-    from dflash_dist.step import drafter_step
+    from dflash_dist.training.objective import draw_anchors
+    from dflash_dist.training.step import drafter_step
 
     dev, cfg = device(dry), reference_config(dry)
     t, o = cfg.model.target, cfg.objective

@@ -38,7 +38,7 @@ def rel_err(x, ref) -> float:
 def drafter_step_on(path: str, model, batch, feats, anchors, anchor_cu, cfg, autocast):
     """(loss, {name: gradient}) of one drafter step on attention path `path`."""
     from dflash_dist.models import attention as attn
-    from dflash_dist.step import drafter_step
+    from dflash_dist.training.step import drafter_step
     o = cfg.objective
     model.zero_grad(set_to_none=True)
     attn.backend.use(path)
@@ -64,8 +64,8 @@ def compare(rep, label: str, got: dict, ref: dict, tol: float, bad: list) -> Non
 def check_drafter(rep, dry: bool, bad: list) -> None:
     import torch
 
-    from dflash_dist.bench.gpu_check import device, packed_batch, reference_drafter
-    from dflash_dist.objective import draw_anchors
+    from dflash_dist.bench.gpu_setup import device, packed_batch, reference_drafter
+    from dflash_dist.training.objective import draw_anchors
     dev, cfg = device(dry), small_config(dry)
     batch = packed_batch(LENGTHS, [L - PROMPT for L in LENGTHS], SMALL["vocab_size"], dev)
     anchors, anchor_cu = draw_anchors(batch.loss_mask, batch.cu_seqlens, cfg.objective.num_anchors,
@@ -95,7 +95,7 @@ def check_target(rep, dry: bool, bad: list) -> None:
     import torch
     from transformers import Qwen3Config
 
-    from dflash_dist.bench.gpu_check import device
+    from dflash_dist.bench.gpu_setup import device
     from dflash_dist.models import attention as attn
     dev = device(dry)
     s = SMALL

@@ -36,8 +36,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from dflash_dist import memory as M
-from dflash_dist.model_shapes import TARGET_SHAPES, model_shapes
+from dflash_dist.forecast import memory as M
+from dflash_dist.forecast.shapes import TARGET_SHAPES, model_shapes
 from dflash_dist.config import Config, ConfigError, load_config, loss_gamma
 
 
@@ -171,7 +171,7 @@ def validate(sc: Scaled = Scaled(), time_steps: bool = True, reps: int = 3) -> d
     """Predicted vs measured at the scaled shape; see the module docstring."""
     from dflash_dist.models.build import draft_spec
     from dflash_dist.models.qwen3 import TinyQwen3
-    from dflash_dist.objective import anchor_generator, draw_anchors
+    from dflash_dist.training.objective import anchor_generator, draw_anchors
 
     cfg = load_config(None, sc.overrides())
     target = TinyQwen3(cfg.model.target).to(torch.bfloat16 if sc.bf16 else torch.float32).eval()
@@ -199,7 +199,7 @@ def validate(sc: Scaled = Scaled(), time_steps: bool = True, reps: int = 3) -> d
 def _validate_target(sc: Scaled, cfg: Config, worst: M.BatchShape, target, layer_ids, batch):
     """The target's peak with one packet held (the sender's queue at max_in_flight = 1) while it captures
     the next: ({"predicted", "measured"}, the packet the drafter then trains on)."""
-    from dflash_dist.capture import capture_for_drafter
+    from dflash_dist.training.capture import capture_for_drafter
     dtype = torch.bfloat16 if sc.bf16 else torch.float32
 
     def capture():
@@ -217,7 +217,7 @@ def _validate_drafter(sc: Scaled, cfg: Config, worst: M.BatchShape, target, spec
                       time_steps: bool, reps: int) -> dict:
     """The drafter step's peak live and saved bytes, chunked and unchunked (and their step times)."""
     from dflash_dist.models.build import build_drafter
-    from dflash_dist.step import drafter_step
+    from dflash_dist.training.step import drafter_step
     feats, labels = packet
     model = build_drafter(spec, target, cfg.model.draft.seed, torch.device("cpu"), sc.checkpoint_layers)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if sc.bf16 else contextlib.nullcontext()
@@ -279,7 +279,7 @@ def validate_hf_capture(model_config, directory: str | Path, layer_ids: list[int
     "measured": peak live bytes, "capture": the measured peak less what was live before (weights, the
     held packet, the batch's ids and mask)}."""
     from transformers import AutoModelForCausalLM
-    from dflash_dist.capture import capture_for_drafter
+    from dflash_dist.training.capture import capture_for_drafter
     from dflash_dist.models.hf_target import HFTarget
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -101,7 +101,8 @@ def write_jsonl(path: Path, lines: list) -> Path:
 def build(name: str, target: Path, max_num_seqs: int = 0):
     """(spec, engine, start-up seconds) of one engine on the tiny target."""
     from dflash_dist.data.regen.chat import stop_token_ids
-    from dflash_dist.data.regen.engine import EngineSpec, build_engine
+    from dflash_dist.data.regen.engine import EngineSpec
+    from dflash_dist.data.regen.engines import build_engine
     from dflash_dist.data.regen.run import generation_config, load_tokenizer
     spec = EngineSpec(name=name, target=str(target), tokenizer=str(target), kv_cache_gib=0.5,
                       max_num_seqs=max_num_seqs)

@@ -33,7 +33,7 @@ import torch.multiprocessing as mp
 
 from dflash_dist.bench.common import sync
 from dflash_dist.data.collate import PackedBatch
-from dflash_dist.transport import HEADER_LEN, PacketSender, PendingPacket, RecvPool
+from dflash_dist.parallel.transport import HEADER_LEN, PacketSender, PendingPacket, RecvPool
 
 FEAT_DIM = 5 * 4096  # five captured layers of a Qwen3-8B-sized target
 MiB = 1 << 20

@@ -30,7 +30,7 @@ from typing import Any, BinaryIO, Iterable
 import numpy as np
 
 from dflash_dist.data.dataset import TokenDataset
-from dflash_dist.fsutil import fsync_dir
+from dflash_dist.checkpoints.files import fsync_dir
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from dflash_dist.bars import Bar
+from dflash_dist.observe.bars import Bar
 from dflash_dist.data.disk import DatasetWriter
 
 log = logging.getLogger(__name__)

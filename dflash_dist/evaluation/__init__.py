@@ -9,5 +9,7 @@
   vllm_engine.py   the export served by vLLM's DFlash speculative decoding, figures from its metrics
   results.py       tau, acceptance per position, histogram, speedup; table and JSON
   loading.py       the export and its target, defects named by file
-  measure.py       the end-of-training tau (dflash_dist.reporting)
+  measure.py       the end-of-training tau (dflash_dist.roles.reporter)
+
+May import: data/ (chat rendering, held-out sets), models/, checkpoints/, config.py.
 """

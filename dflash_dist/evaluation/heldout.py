@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dflash_dist.data.regenerate import split_samples
+from dflash_dist.data.target_corpus import split_samples
 from dflash_dist.evaluation.prompts import PromptSet
 
 

@@ -18,7 +18,7 @@ def read_export_config(draft_dir: str | Path) -> dict:
     try:
         cfg = json.loads(path.read_text())
     except FileNotFoundError as exc:
-        raise EvalInputError(f"--draft {draft_dir}: no config.json (an export directory of dflash_dist.export)") from exc
+        raise EvalInputError(f"--draft {draft_dir}: no config.json (an export directory of dflash_dist.models.export)") from exc
     except (OSError, ValueError) as exc:
         raise EvalInputError(f"{path}: not readable JSON ({exc})") from exc
     if not isinstance(cfg, dict):
@@ -35,7 +35,7 @@ def read_export_config(draft_dir: str | Path) -> dict:
 def load_drafter_checked(draft_dir: str | Path, dtype: torch.dtype = torch.float32):
     from safetensors import SafetensorError
 
-    from dflash_dist.export import load_drafter
+    from dflash_dist.models.export import load_drafter
     read_export_config(draft_dir)
     weights = Path(draft_dir) / "model.safetensors"
     if not weights.is_file():

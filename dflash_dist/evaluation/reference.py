@@ -10,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-from dflash_dist.decode import recompute_greedy
+from dflash_dist.models.decode import recompute_greedy
 
 
 def _run_target(target, ids: Sequence[int], layer_ids: Sequence[int]):

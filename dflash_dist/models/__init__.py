@@ -1,0 +1,7 @@
+"""Models: the tiny Qwen3-style target and its blocks (qwen3.py), packed attention paths (attention.py),
+the DFlash drafter (drafter.py), transformers targets with tensor parallel and MoE (hf_target.py), a
+drafter rank's head-only target (head.py), building either from the config (build.py), greedy decoding by
+the target (decode.py) and the z-lab export with its model card (export.py).
+
+May import: config.py only (nothing else of the project): every stage above builds on it.
+"""

@@ -116,7 +116,7 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
     def forward(self, features, input_ids, cu_seqlens, position_ids, anchors, anchor_cu):
-        """Logits (A, B, V) of every block (evaluation; training goes through `dflash_dist.step`).
+        """Logits (A, B, V) of every block (evaluation; training goes through `dflash_dist.training.step`).
 
         features: (N, n_layers*H) target features of the packed batch; input_ids, position_ids: (N,);
         cu_seqlens: (S+1,); anchors: (A,) packed indices, sorted, grouped by sequence;

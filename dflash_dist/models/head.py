@@ -141,9 +141,24 @@ class HeadOnlyTarget(nn.Module):
         self.eval()
 
 
+def default_mask_token_id(path: Path, vocab_size: int) -> int | None:
+    """The tokenizer's mask token if it has one, else the first embedding row no token uses (models pad
+    their vocabulary: Qwen3 has ~270 unused rows). None when neither exists or there is no tokenizer."""
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        return None  # (AutoTokenizer would build an empty tokenizer from config.json alone)
+    try:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:  # no tokenizer files: the user must give model.draft.mask_token_id
+        log.info("no tokenizer in %s (%s): mask token id must come from the config", path, type(exc).__name__)
+        return None
+    if tok.mask_token_id is not None and tok.mask_token_id < vocab_size:
+        return int(tok.mask_token_id)
+    return len(tok) if len(tok) < vocab_size else None
+
+
 def load_head_only_target(path: str | Path, dtype: torch.dtype, device: torch.device | str) -> HeadOnlyTarget:
     """A drafter rank's stand-in for `load_hf_target`: config facts, embedding and LM head only."""
-    from dflash_dist.models.hf_target import default_mask_token_id
     path = Path(path)
     facts = shape_facts(read_config(path), str(path / "config.json"))
     embed, head, info = load_hf_head(path, dtype, device)

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dflash_dist.models.attention import packed_causal_attention
-from dflash_dist.models.head import context_length
+from dflash_dist.models.head import context_length, default_mask_token_id
 
 log = logging.getLogger(__name__)
 
@@ -241,22 +241,6 @@ def check_packed_capture(target: HFTarget, lengths=(7, 4)) -> None:
             if err > 2e-2:  # bf16 noise is ~1e-3; an unsupported architecture is off by O(1)
                 raise ValueError(f"{type(target.hf).__name__}: packed capture does not reproduce the model's "
                                  f"{name} (relative error {err:.3g}); this architecture is not supported")
-
-
-def default_mask_token_id(path: Path, vocab_size: int) -> int | None:
-    """The tokenizer's mask token if it has one, else the first embedding row no token uses (models pad
-    their vocabulary: Qwen3 has ~270 unused rows). None when neither exists or there is no tokenizer."""
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
-        return None  # (AutoTokenizer would build an empty tokenizer from config.json alone)
-    try:
-        from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except Exception as exc:  # no tokenizer files: the user must give model.draft.mask_token_id
-        log.info("no tokenizer in %s (%s): mask token id must come from the config", path, type(exc).__name__)
-        return None
-    if tok.mask_token_id is not None and tok.mask_token_id < vocab_size:
-        return int(tok.mask_token_id)
-    return len(tok) if len(tok) < vocab_size else None
 
 
 ENGINES = ("auto", "transformers", "torch")

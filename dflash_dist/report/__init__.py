@@ -9,6 +9,8 @@ data no run has (tau when evaluation was off, say) is left out, and the page say
     figures.py  one function per figure
     plotting.py what the figures share (colours, smoothing, the time unit)
     page.py     index.html
+
+May import: nothing of the project (it reads files only, so it runs on any machine).
 """
 from __future__ import annotations
 

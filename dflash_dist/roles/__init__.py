@@ -1,0 +1,7 @@
+"""The two loops a rank runs: drafter.py (receive features, train, checkpoint) and target.py (capture and
+send), and rank 0's duties inside the drafter loop (reporter.py: monitor, sinks, tau, checkpoints and
+export files, summary, advice; every other rank gets the do-nothing NullReporter).
+
+May import: every folder below it (evaluation/, forecast/, training/, plan/, parallel/, data/, models/,
+checkpoints/, observe/), config.py, exits.py.
+"""

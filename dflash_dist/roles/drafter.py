@@ -18,24 +18,24 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dflash_dist import checkpoint
-from dflash_dist.capture import capture_for_drafter, packet_spec
-from dflash_dist.checkpoint import Cursor
+from dflash_dist.checkpoints import store as checkpoint
+from dflash_dist.training.capture import capture_for_drafter, packet_spec
+from dflash_dist.checkpoints.store import Cursor
 from dflash_dist.config import loss_gamma
 from dflash_dist.data.collate import collate, warm_up_batch
 from dflash_dist.models import attention
 from dflash_dist.models.build import build_drafter
-from dflash_dist.objective import anchor_generator, draw_anchors
-from dflash_dist.plan import BatchPlan, epoch_plan, plan_digest
-from dflash_dist.reporting import evaluates, make_reporter
-from dflash_dist.run import RoleResult, RunSetup
-from dflash_dist.schedule import EpochSchedule, Votes
-from dflash_dist.stats import Diverged, StepStats, device_clock
-from dflash_dist.sharding import make_sharding, total_norm
-from dflash_dist.step import drafter_step
-from dflash_dist.stop import StopAgreement
-from dflash_dist.train_state import TrainState, weights_digest
-from dflash_dist.transport import Packet, PacketError, PendingPacket, RecvPool
+from dflash_dist.training.objective import anchor_generator, draw_anchors
+from dflash_dist.plan.epochs import BatchPlan, epoch_plan, plan_digest
+from dflash_dist.roles.reporter import evaluates, make_reporter
+from dflash_dist.training.setup import RoleResult, RunSetup
+from dflash_dist.plan.schedule import EpochSchedule, Votes
+from dflash_dist.training.stats import Diverged, StepStats, device_clock
+from dflash_dist.parallel.sharding import make_sharding, total_norm
+from dflash_dist.training.step import drafter_step
+from dflash_dist.parallel.stop import StopAgreement
+from dflash_dist.training.state import TrainState, weights_digest
+from dflash_dist.parallel.transport import Packet, PacketError, PendingPacket, RecvPool
 
 log = logging.getLogger(__name__)
 

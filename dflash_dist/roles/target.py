@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import logging
 
-from dflash_dist.capture import capture_for_drafter, packet_spec
-from dflash_dist.checkpoint import Cursor
+from dflash_dist.training.capture import capture_for_drafter, packet_spec
+from dflash_dist.checkpoints.store import Cursor
 from dflash_dist.data.collate import PackedBatch, collate, warm_up_batch
 from dflash_dist.models import attention
-from dflash_dist.plan import epoch_plan, plan_digest
-from dflash_dist.run import RoleResult, RunSetup
-from dflash_dist.schedule import EpochSchedule, Votes
-from dflash_dist.stats import device_clock, wait_fraction
-from dflash_dist.stop import StopAgreement
-from dflash_dist.transport import PacketSender
+from dflash_dist.plan.epochs import epoch_plan, plan_digest
+from dflash_dist.training.setup import RoleResult, RunSetup
+from dflash_dist.plan.schedule import EpochSchedule, Votes
+from dflash_dist.observe.monitor import wait_fraction
+from dflash_dist.training.stats import device_clock
+from dflash_dist.parallel.stop import StopAgreement
+from dflash_dist.parallel.transport import PacketSender
 
 log = logging.getLogger(__name__)
 

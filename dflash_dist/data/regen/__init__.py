@@ -1,11 +1,14 @@
 """Chat regeneration at scale: the target rewrites every assistant turn of a chat corpus, turn by turn.
 
     chat.py      parse a JSONL line, render turn k's prompt, write the reply back (same schema)
-    engine.py    the engine interface; hf.py (transformers) and vllm.py (vLLM) implement it
+    engine.py    the engine interface; hf.py (transformers) and vllm.py (vLLM) implement it;
+                 engines.py picks and builds one
     run.py       a rank's chunks, turn by turn, stop signals, rank 0's merge
     chunks.py    chunk files, atomic writes, resume key, merge
     progress.py  per-rank totals and rank 0's progress line
     cli.py       the command line (python -m dflash_dist.data.regenerate --input ...)
+
+May import: data/ (prepare's skip reasons), checkpoints/, exits.py; nothing above data/.
 
 Multi-turn and reasoning, and what the peer trainers do (their public scripts, read for facts):
   * SpecForge (scripts/regenerate_train_data.py, SGLang's chat API) regenerates turn by turn: each user

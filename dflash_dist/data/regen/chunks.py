@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
-from dflash_dist.fsutil import fsync_dir, write_json
+from dflash_dist.checkpoints.files import fsync_dir, write_json
 
 log = logging.getLogger(__name__)
 

@@ -5,6 +5,7 @@ target's own reply, turn by turn, and writes a chat JSONL of the same schema: on
 line, in input order, plus OUTPUT's meta file (out.meta.json: counts, skips by reason, the settings).
 Under torchrun (or srun + torchrun) each rank runs its own engine on its share of the chunks; rank 0
 merges. Rerunning the same command resumes; SIGTERM/SIGUSR2 stop after the current chunk (exit 75).
+(The default job's token corpus instead: `--out DIR [--config FILE]`; `--out x --help` lists its options.)
 """
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import sys
 from pathlib import Path
 
 from dflash_dist.data.regen.chunks import KeyMismatch
-from dflash_dist.data.regen.engine import EngineSpec, Sampling, default_engine
+from dflash_dist.data.regen.engine import EngineSpec, Sampling
+from dflash_dist.data.regen.engines import default_engine
 from dflash_dist.data.regen.run import Job, Shard, run
-from dflash_dist.stop import record_exit_code
+from dflash_dist.exits import record_exit_code
 
 log = logging.getLogger("dflash_dist.data.regenerate")
 

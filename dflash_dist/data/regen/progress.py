@@ -13,7 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-from dflash_dist.fsutil import write_json
+from dflash_dist.checkpoints.files import write_json
 
 log = logging.getLogger(__name__)
 

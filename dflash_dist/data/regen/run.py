@@ -20,14 +20,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dflash_dist.data.prepare import Skip
+from dflash_dist.exits import EXIT_RESUME  # stopped on request, finished chunks kept: rerun to resume
 from dflash_dist.data.regen import chunks
 from dflash_dist.data.regen.chat import SKIP_REASONS, ChatRenderer, Conversation, parse_line, stop_token_ids
-from dflash_dist.data.regen.engine import Engine, EngineSpec, Generated, Request, Sampling, build_engine
+from dflash_dist.data.regen.engine import Engine, EngineSpec, Generated, Request, Sampling
+from dflash_dist.data.regen.engines import build_engine
 from dflash_dist.data.regen.progress import RankProgress, Reporter
 
 log = logging.getLogger(__name__)
 
-EXIT_RESUME = 75  # as training: stopped on request, finished chunks kept, rerun to resume
 LOGGED_PER_REASON = 20
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dflash_dist.dist import all_reduce_grads, broadcast_params
+from dflash_dist.parallel.dist import all_reduce_grads, broadcast_params
 
 
 class Replicas:

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_dist.config import ConfigError
-from dflash_dist.seeding import seeded_generator
+from dflash_dist.plan.seeding import seeded_generator
 
 SKIP_REASONS = ("empty", "no_supervised", "no_anchor", "over_budget")  # in order of precedence
 PACKINGS = ("fill", "next_fit", "sorted")

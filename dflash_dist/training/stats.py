@@ -64,14 +64,6 @@ class StepStats:
         return (self.correct[1:] / self.valid[1:].clamp(min=1)).tolist()
 
 
-def wait_fraction(wait_s: float, compute_s: float) -> float:
-    """Share of a role's time spent waiting: the one definition used by monitor, summary and advice."""
-    return wait_s / (wait_s + compute_s) if wait_s + compute_s > 0 else 0.0
-
-
-EXIT_DIVERGED = 4  # the loss or gradient norm was not finite in train.max_nonfinite_steps steps
-
-
 class Diverged(RuntimeError):
     """Raised alike on every drafter (the decision follows all-reduced values)."""
 

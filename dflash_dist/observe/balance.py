@@ -1,7 +1,7 @@
 """Which role is the bottleneck, and which target:drafter split the measurements suggest.
 
 Target cost follows tokens, drafter cost follows anchors x block size, so the right split depends on
-the data and the models. The cost model (dflash_dist.cost) predicts it before the run; here it is
+the data and the models. The cost model (dflash_dist.forecast.cost) predicts it before the run; here it is
 measured, and the two are printed side by side. With per-batch compute times t_T (one target
 forward) and t_D (one drafter step), T targets and D drafters sustain min(T / t_T, D / t_D) batches/s;
 on a node of L ranks the best split maximises that over T + D = L.

@@ -13,20 +13,21 @@ from pathlib import Path
 
 import torch
 
-from dflash_dist import checkpoint
-from dflash_dist.balance import balance_advice, format_advice
+from dflash_dist.checkpoints import store as checkpoint
+from dflash_dist.observe.balance import balance_advice, format_advice
 from dflash_dist.config import ConfigError, to_dict
 from dflash_dist.data.dataset import preparation_skips
 from dflash_dist.data.digest import dataset_digest
-from dflash_dist.export import export_drafter, write_model_card
-from dflash_dist.fsutil import write_json
+from dflash_dist.models.export import export_drafter, write_model_card
+from dflash_dist.checkpoints.files import write_json
 from dflash_dist.models import attention
-from dflash_dist.monitor import Monitor, Progress, Sinks
-from dflash_dist.plan import BatchPlan, plan_shape
-from dflash_dist.run import RunSetup
-from dflash_dist.schedule import EpochSchedule
-from dflash_dist.stats import StepStats, wait_fraction
-from dflash_dist.train_state import History, TrainState
+from dflash_dist.observe.monitor import Monitor, Progress, Sinks
+from dflash_dist.plan.epochs import BatchPlan, plan_shape
+from dflash_dist.training.setup import RunSetup
+from dflash_dist.plan.schedule import EpochSchedule
+from dflash_dist.observe.monitor import wait_fraction
+from dflash_dist.training.stats import StepStats
+from dflash_dist.training.state import History, TrainState
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ class Reporter(NullReporter):
                           "max_seqs": cfg.plan.max_seqs, "block_size": cfg.objective.block_size,
                           "num_drafters": lay.num_drafters, "num_targets": lay.num_targets},
                          console=False, remote=False)
-        from dflash_dist.cost import start_of_run  # the predicted split and throughput, before the first batch
+        from dflash_dist.forecast.cost import start_of_run  # the predicted split and throughput, before the first batch
         self.predicted = start_of_run(cfg, self.run.dataset, lay, self.run.ctx.device, sum(self.run.epoch_counts))
         return self
 
@@ -111,7 +112,7 @@ class Reporter(NullReporter):
         `train.eval_bench` set (the drafter asks only where `evaluates` says so; prepared data:
         `python -m dflash_dist.evaluate` after the run)."""
         cfg = self.run.cfg
-        from dflash_dist.evaluate import training_eval  # train.eval_bench's set, else the synthetic held-out one
+        from dflash_dist.evaluation.measure import training_eval  # train.eval_bench's set, else the synthetic held-out one
         t0 = time.time()
         # Under the training's autocast on CUDA: the attention then runs the graphs warmed up for training.
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.run.ctx.device.type == "cuda" \

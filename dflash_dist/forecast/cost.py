@@ -47,8 +47,8 @@ from typing import Sequence
 import numpy as np
 
 from dflash_dist.config import Config
-from dflash_dist.memory import SDPA_GROUP, BatchShape, Precision, Sharding
-from dflash_dist.model_shapes import ModelShapes
+from dflash_dist.forecast.memory import SDPA_GROUP, BatchShape, Precision, Sharding
+from dflash_dist.forecast.shapes import ModelShapes
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ def expected_anchor_pos(lengths: np.ndarray, anchorable: np.ndarray, anchors: np
 
 def plan_shape(plan, b: int, lengths: np.ndarray, anchorable: np.ndarray, num_anchors: int) -> BatchShape:
     """Batch `b` of `plan` as the memory model describes a batch, with expected anchor positions."""
-    from dflash_dist.plan import anchors_per_sample
+    from dflash_dist.plan.epochs import anchors_per_sample
     idx = plan.batch(b)
     lens, cand = np.asarray(lengths)[idx], np.asarray(anchorable)[idx]
     anch = anchors_per_sample(cand, num_anchors)
@@ -320,7 +320,7 @@ def sample_plans(cfg: Config, plans, lengths, anchorable, n: int = 256, source: 
                  batches: int | None = None) -> PlanSample:
     """`PlanSample` of plans already built (the run's own, or those of `plan_sample_for`); `batches`: the
     run's batch count when `plans` are not all of its epochs."""
-    from dflash_dist.plan import anchors_per_sample
+    from dflash_dist.plan.epochs import anchors_per_sample
     lengths, anchorable = np.asarray(lengths), np.asarray(anchorable)
     anch = anchors_per_sample(anchorable, cfg.objective.num_anchors)
     first = plans[0]
@@ -343,7 +343,7 @@ def sample_plans(cfg: Config, plans, lengths, anchorable, n: int = 256, source: 
 def plan_sample_for(cfg: Config, samples: int = 902_000) -> PlanSample:
     """The plans of every epoch over the config's data (`memory.plan_lengths`: data.path, else the
     reference chat mix), sampled."""
-    from dflash_dist.memory import plan_lengths, run_plans
+    from dflash_dist.forecast.memory import plan_lengths, run_plans
     lengths, supervised, anchorable, source = plan_lengths(cfg, samples)
     plans, anchorable = run_plans(cfg, lengths, supervised, anchorable)
     return sample_plans(cfg, plans, lengths, anchorable, source=source)
@@ -502,8 +502,8 @@ def device_for(kind: str, name: str = "") -> Device:
 def predict_run(cfg: Config, ds, layout, device_type: str, device_name: str = "",
                 batches: int | None = None) -> Forecast:
     """The forecast for a run's own layout and data (epoch 0's plan of dataset `ds`, `batches` in all)."""
-    from dflash_dist.model_shapes import model_shapes
-    from dflash_dist.plan import plan_for_epoch
+    from dflash_dist.forecast.shapes import model_shapes
+    from dflash_dist.plan.epochs import plan_for_epoch
     ps = sample_plans(cfg, [plan_for_epoch(ds, cfg, 0)], ds.lengths, ds.num_anchorable, source="the run's plan",
                       batches=batches)
     return forecast(cfg, model_shapes(cfg), ps, device_for(device_type, device_name),

@@ -14,37 +14,18 @@ about three windows, at a step boundary that every rank agrees on.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import time
 from collections import deque
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
-EXIT_RESUME = 75  # EX_TEMPFAIL: "stopped on request, state saved, requeue and resume me"
 # SIGINT (Ctrl-C, which torchrun forwards to its workers) asks for the same clean stop as a scheduler's
 # SIGTERM; a second SIGINT on the same rank aborts at once, without saving.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)
-# launch/run.sh names a directory here; each worker writes its exit code there as it leaves, because
-# torchrun's own exit code after a signal is 1 whatever its workers returned (75 included).
-EXIT_CODE_DIR = "DFLASH_EXIT_CODE_DIR"
-
-
-def record_exit_code(code: int) -> int:
-    """Write `code` to $DFLASH_EXIT_CODE_DIR/local-rank-$LOCAL_RANK (when both are set); returns it.
-    A worker that dies without returning (a signal, the dead-peer watchdog's os._exit) writes nothing,
-    which run.sh reads as a failure."""
-    where, local_rank = os.environ.get(EXIT_CODE_DIR), os.environ.get("LOCAL_RANK")
-    if where and local_rank is not None:
-        try:
-            Path(where, f"local-rank-{local_rank}").write_text(f"{code}\n")
-        except OSError as exc:
-            log.warning("cannot record exit code %d in %s: %s", code, where, exc)
-    return code
 
 
 class StopFlag:

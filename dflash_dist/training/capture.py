@@ -7,8 +7,8 @@ import torch
 from dflash_dist.config import Config
 from dflash_dist.models.build import compute_dtype
 from dflash_dist.models.drafter import DraftSpec
-from dflash_dist.objective import predictions_from_hidden, target_label_width
-from dflash_dist.transport import PacketSpec, TargetLabels
+from dflash_dist.training.objective import predictions_from_hidden, target_label_width
+from dflash_dist.parallel.transport import PacketSpec, TargetLabels
 
 
 def packet_spec(cfg: Config, spec: DraftSpec, device: torch.device) -> PacketSpec:

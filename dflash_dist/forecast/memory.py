@@ -17,7 +17,7 @@ what autograd keeps for backward, tensor by tensor, at the worst batch of the re
            Mixtral), the captured features, the packets in flight, and with distillation labels the final
            hidden state and one chunk of logits; allocator slack.
 
-The accounting follows the code as it is (dflash_dist.step, models.drafter, models.qwen3, objective,
+The accounting follows the code as it is (dflash_dist.training.step, models.drafter, models.qwen3, objective,
 transport); `python -m dflash_dist.bench.memory --validate` checks it against measurement on CPU
 (bytes saved for backward and the peak of live tensor bytes) at a scaled shape. Model shapes come from
 the config (tiny target), the target's config.json (hf), or a built-in table (`model_shapes.py`).
@@ -30,7 +30,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from dflash_dist.config import Config
-from dflash_dist.model_shapes import KNOWN_ARCHS, ModelShapes, model_shapes
+from dflash_dist.forecast.shapes import KNOWN_ARCHS, ModelShapes, model_shapes
 
 GiB = 2 ** 30
 SDPA_GROUP = 32  # blocks per SDPA call in the drafter's "sdpa" attention path (models.attention)
@@ -156,8 +156,8 @@ def run_plans(cfg: Config, lengths: np.ndarray, supervised: np.ndarray, anchorab
               epochs: Iterable[int] | None = None) -> tuple[list, np.ndarray]:
     """(the plans of `epochs` (default: every epoch of the run) built as the run builds them, the anchor
     positions per sample they were built with: `tail_anchorable` without `anchorable`). The memory
-    and the cost model (dflash_dist.cost) both read their batches from here."""
-    from dflash_dist.plan import build_plan, plan_kwargs
+    and the cost model (dflash_dist.forecast.cost) both read their batches from here."""
+    from dflash_dist.plan.epochs import build_plan, plan_kwargs
     lengths, supervised = np.asarray(lengths), np.asarray(supervised)
     anchorable = np.asarray(tail_anchorable(lengths, supervised) if anchorable is None else anchorable)
     plans = [build_plan(lengths, supervised, epoch=e, anchorable=anchorable, **plan_kwargs(cfg))
@@ -168,7 +168,7 @@ def run_plans(cfg: Config, lengths: np.ndarray, supervised: np.ndarray, anchorab
 def worst_of_plans(cfg: Config, plans, lengths: np.ndarray, anchorable: np.ndarray) -> dict[str, BatchShape]:
     """`worst_batches` over plans already built (the run's own, counted at start); anchors per sample as
     the plan counts them (`plan.anchors_per_sample`)."""
-    from dflash_dist.plan import anchors_per_sample
+    from dflash_dist.plan.epochs import anchors_per_sample
     lengths = np.asarray(lengths)
     anch = anchors_per_sample(np.asarray(anchorable), cfg.objective.num_anchors)
     best: dict[str, tuple[int, BatchShape]] = {}

@@ -17,9 +17,10 @@ import time
 
 import torch.distributed as dist
 
+from dflash_dist.exits import EXIT_PEER_LOST
+
 log = logging.getLogger(__name__)
 
-EXIT_PEER_LOST = 3
 DONE, FAILED = "done", "failed:"
 
 

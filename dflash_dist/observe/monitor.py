@@ -21,8 +21,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from dflash_dist.fsutil import json_safe
-from dflash_dist.stats import wait_fraction
+from dflash_dist.checkpoints.files import json_safe
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +106,11 @@ def format_line(r: dict) -> str:
     if "gpu_mem_gib" in r:
         line += f"  gpu {r['gpu_mem_gib']:.1f} GiB"
     return line
+
+
+def wait_fraction(wait_s: float, compute_s: float) -> float:
+    """Share of a role's time spent waiting: the one definition used by monitor, summary and advice."""
+    return wait_s / (wait_s + compute_s) if wait_s + compute_s > 0 else 0.0
 
 
 class Sinks:

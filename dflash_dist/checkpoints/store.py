@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from dflash_dist import lineage
+from dflash_dist.checkpoints import lineage
 from dflash_dist.config import Config, ConfigError, to_dict
-from dflash_dist.fsutil import fsync_dir, json_safe
+from dflash_dist.checkpoints.files import fsync_dir, json_safe
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dflash_dist.topology import Layout
+from dflash_dist.parallel.topology import Layout
 
 log = logging.getLogger(__name__)
 

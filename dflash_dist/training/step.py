@@ -17,9 +17,9 @@ import torch
 
 from dflash_dist.data.collate import PackedBatch
 from dflash_dist.models.drafter import DFlashDrafter, anchor_seq_starts
-from dflash_dist.objective import (StepMetrics, argmax_block_labels, block_labels, lm_head_loss,
+from dflash_dist.training.objective import (StepMetrics, argmax_block_labels, block_labels, lm_head_loss,
                                    soft_block_targets)
-from dflash_dist.transport import TargetLabels
+from dflash_dist.parallel.transport import TargetLabels
 
 
 def batch_targets(batch: PackedBatch, target: TargetLabels | None, anchors, anchor_cu, block_size: int,

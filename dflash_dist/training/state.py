@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash_dist import checkpoint
-from dflash_dist.checkpoint import Cursor
+from dflash_dist.checkpoints import store as checkpoint
+from dflash_dist.checkpoints.store import Cursor
 from dflash_dist.config import Config, to_dict
-from dflash_dist.stats import StepStats
-from dflash_dist.topology import Layout
+from dflash_dist.training.stats import StepStats
+from dflash_dist.parallel.topology import Layout
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dflash_dist.seeding import seeded_generator
+from dflash_dist.plan.seeding import seeded_generator
 
 
 def anchor_generator(seed: int, epoch: int, batch: int) -> torch.Generator:

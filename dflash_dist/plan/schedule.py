@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash_dist.topology import Layout
+from dflash_dist.parallel.topology import Layout
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,6 @@
+"""What people see while a job runs: the rank-0 monitor thread, its progress record and sinks (monitor.py:
+console, JSONL, wandb), progress bars of command-line jobs (bars.py), and the role-split advice
+(balance.py). Low in the tree so that data preparation and the benchmarks can show progress too.
+
+May import: checkpoints/ (atomic writes), config.py.
+"""
