@@ -1,6 +1,7 @@
 """Shared test helpers: run the real entry point under torchrun with a hard timeout."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -147,3 +148,15 @@ def assert_capture_matches_alone(target, ref_model, seqs, cu, pos, layer_ids, hi
                                            atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(logits[a:b], out.logits[0], atol=1e-5, rtol=1e-5)
     return feats, logits
+
+
+@contextlib.contextmanager
+def read_only(path):
+    """`path` cannot be written while inside. root ignores permission bits: the directory is made immutable
+    instead (ext4/xfs; chattr +i)."""
+    root = os.geteuid() == 0
+    subprocess.run(["chattr", "+i", str(path)] if root else ["chmod", "555", str(path)], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(path)] if root else ["chmod", "755", str(path)], check=True)

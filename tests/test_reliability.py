@@ -1,7 +1,6 @@
 """Nothing silent, nothing lost (issue 11): checkpoint checksums and fallback, failed and interrupted
 writes, the run-directory lock, SIGINT, valid JSON, samples without an anchor, and sinks that survive a
 full disk or an unreachable wandb."""
-import contextlib
 import errno
 import json
 import logging
@@ -27,6 +26,7 @@ from dflash_dist.checkpoints.files import write_json
 from dflash_dist.training.objective import draw_anchors
 from dflash_dist.plan.epochs import check_trainable, plan_for_epoch
 from dflash_dist.checkpoints.runlock import RunLock, check_writable
+from helpers import read_only
 from dflash_dist.parallel.stop import StopFlag
 from dflash_dist.parallel.topology import Layout
 
@@ -215,17 +215,6 @@ def test_a_run_dir_under_a_regular_file_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match=r"config key 'train.run_dir': cannot create .*/file/run: Not a directory"):
         check_writable(tmp_path / "file" / "run")
 
-
-@contextlib.contextmanager
-def read_only(path):
-    """`path` cannot be written while inside. root ignores permission bits: the directory is made immutable
-    instead (ext4/xfs; chattr +i)."""
-    root = os.geteuid() == 0
-    subprocess.run(["chattr", "+i", str(path)] if root else ["chmod", "555", str(path)], check=True)
-    try:
-        yield
-    finally:
-        subprocess.run(["chattr", "-i", str(path)] if root else ["chmod", "755", str(path)], check=True)
 
 def test_a_read_only_run_dir_is_a_config_error(tmp_path):
     ro = tmp_path / "ro"

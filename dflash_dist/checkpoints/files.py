@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -45,3 +46,47 @@ def write_json(path: Path, obj: Any, indent: int | None = 1) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+class OutputPathError(ValueError):
+    """An output path that cannot be written. A ValueError, not an OSError, because it is bad input (a
+    flag or key naming a missing or read-only place): callers map it to exit 2 with the rest of their
+    input errors, before any work is done, instead of failing at the end of a run."""
+
+
+def check_output_path(path: str | os.PathLike, what: str) -> Path:
+    """`path` as a Path, once it is known that a file can be created there; else OutputPathError naming
+    `what` (the flag or key that gave it) and the path. Call it at start-up for every output, so a long
+    evaluation or benchmark does not end in a traceback. Writability is probed by creating and removing a
+    temporary file in the directory: permission bits say nothing about read-only mounts, an immutable
+    (chattr +i) directory or root's bypass of them."""
+    path = Path(path)
+    parent = path.parent
+    if path.is_dir():
+        raise OutputPathError(f"{what} {path}: is a directory, not a file")
+    if not parent.is_dir():
+        why = "is not a directory" if parent.exists() else "does not exist"
+        raise OutputPathError(f"{what} {path}: its directory {parent} {why}")
+    try:
+        probe_dir(parent)
+    except OSError as exc:
+        raise OutputPathError(f"{what} {path}: cannot write in {parent}: {exc.strerror or exc}") from exc
+    try:
+        if path.exists():
+            # opening for append changes neither contents nor mtime, yet fails on a read-only or immutable file
+            open(path, "ab").close()
+    except OSError as exc:
+        raise OutputPathError(f"{what} {path}: cannot overwrite it: {exc.strerror or exc}") from exc
+    return path
+
+
+def probe_dir(d: Path) -> None:
+    """Create, write, fsync and remove a temporary file in `d`; the OSError when that fails (read-only,
+    immutable, no permission, a full disk)."""
+    fd, probe = tempfile.mkstemp(dir=d, prefix=".write-probe-")
+    try:
+        os.write(fd, b"ok\n")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        os.unlink(probe)
