@@ -46,3 +46,19 @@ def test_an_existing_read_only_file_is_caught_and_left_unchanged(tmp_path):
 
 def test_it_is_a_value_error_so_callers_treat_it_as_bad_input():
     assert issubclass(OutputPathError, ValueError)
+
+
+def test_an_output_folder_is_created_or_refused_naming_the_flag(tmp_path):
+    from dflash_dist.checkpoints.files import check_output_dir
+    assert check_output_dir(tmp_path / "a" / "b", "--out") == tmp_path / "a" / "b"
+    assert list((tmp_path / "a" / "b").iterdir()) == []
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(OutputPathError, match=r"^--out .*/f/r: cannot create it: Not a directory$"):
+        check_output_dir(tmp_path / "f" / "r", "--out")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    with read_only(ro):
+        with pytest.raises(OutputPathError, match=r"^--out .*/ro/r: cannot create it: "):
+            check_output_dir(ro / "r", "--out")
+        with pytest.raises(OutputPathError, match=r"^--out .*/ro: cannot write in it: "):
+            check_output_dir(ro, "--out")

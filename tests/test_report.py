@@ -121,6 +121,55 @@ def test_bad_input_exits_2_naming_the_file_and_line(tmp_path):
     assert r.returncode == 2 and "summary.json: cannot be read as JSON" in r.stderr
 
 
+
+PLAN = b'{"kind": "plan", "epoch_counts": [3]}\n'
+
+
+@pytest.mark.parametrize("line, says", [
+    (b'{"kind": "step", "epoch": 1, "loss": 2.0}', "a 'step' record without 'step'"),
+    (b'{"kind": "step", "step": "7", "epoch": 1}', "'step' is \"7\", not a whole number >= 0"),
+    (b'{"kind": "step", "step": 7, "epoch": 1.5}', "'epoch' is 1.5, not a whole number >= 0"),
+    (b'{"kind": "epoch_end", "step": 7}', "a 'epoch_end' record without 'epoch'"),
+    (b'{"kind": ["step"], "step": 7}', "'kind' is [\"step\"], not a string"),
+    (b'{"kind": "progress", "step": 3, "loss": "\xff\xfe"}', "not UTF-8 text (byte 42 of the line)"),
+])
+def test_a_damaged_record_exits_2_naming_the_file_and_line(tmp_path, capsys, line, says):
+    from dflash_dist.report.__main__ import main
+    (tmp_path / "metrics.jsonl").write_bytes(PLAN + line + b"\n" + PLAN)
+    assert main([str(tmp_path)]) == 2
+    assert f"error: {tmp_path / 'metrics.jsonl'}:2: {says}" in capsys.readouterr().err
+    assert not (tmp_path / "report").exists()  # refused before anything is written
+
+
+def test_a_record_cut_by_a_full_disk_and_glued_to_the_next_is_named_and_the_next_kept(tmp_path):
+    """A writer that died mid-line (ENOSPC) and a resumed process appending its first record to that line:
+    the cut record is lost (named in the page's notes), the whole one after it is read."""
+    from dflash_dist.report import load_run
+    step = b'{"kind": "step", "step": 1, "epoch": 1, "time": 1.0, "loss": 9.0}\n'
+    (tmp_path / "metrics.jsonl").write_bytes(PLAN + step + b'{"kind": "step", "step": 2, "ep'
+                                             + b'{"kind": "plan", "step": 1, "epoch_counts": [3]}\n' + step)
+    run = load_run(tmp_path)
+    assert [r["kind"] for r in run.records] == ["plan", "step", "plan", "step"]
+    assert run.notes == ["metrics.jsonl: line 3 starts with a record cut short (a full disk, or a kill mid-write), "
+                         "which was not read; the record after it on the same line was"]
+    (tmp_path / "metrics.jsonl").write_bytes(PLAN + b'{"kind": "step", "step": 2, "ep{"not a record\n' + step)
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a JSON record"):
+        load_run(tmp_path)
+
+
+def test_an_unwritable_out_folder_exits_2_naming_it(tmp_path, capsys):
+    from dflash_dist.report.__main__ import main
+    from helpers import read_only
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_bytes(PLAN)
+    (tmp_path / "ro").mkdir()
+    with read_only(tmp_path / "ro"):
+        assert main([str(tmp_path / "run"), "--out", str(tmp_path / "ro")]) == 2
+        assert f"error: --out {tmp_path / 'ro'}: cannot write in it: " in capsys.readouterr().err
+        assert main([str(tmp_path / "run"), "--out", str(tmp_path / "ro" / "new")]) == 2
+        assert f"error: --out {tmp_path / 'ro' / 'new'}: cannot create it: " in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_a_run_still_writing_is_reported_from_what_is_there(runs, tmp_path):
     """During a run: no summary yet, and a last line cut short. The page says so; nothing fails."""

@@ -80,6 +80,21 @@ def check_output_path(path: str | os.PathLike, what: str) -> Path:
     return path
 
 
+def check_output_dir(path: str | os.PathLike, what: str) -> Path:
+    """`path` as a Path, created (with its parents) if missing, once a file can be written in it; else
+    OutputPathError naming `what` and the path: the start-of-run check for an output folder."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputPathError(f"{what} {path}: cannot create it: {exc.strerror or exc}") from exc
+    try:
+        probe_dir(path)
+    except OSError as exc:
+        raise OutputPathError(f"{what} {path}: cannot write in it: {exc.strerror or exc}") from exc
+    return path
+
+
 def probe_dir(d: Path) -> None:
     """Create, write, fsync and remove a temporary file in `d`; the OSError when that fails (read-only,
     immutable, no permission, a full disk)."""

@@ -10,7 +10,7 @@ data no run has (tau when evaluation was off, say) is left out, and the page say
     plotting.py what the figures share (colours, smoothing, the time unit)
     page.py     index.html
 
-May import: nothing of the project (it reads files only, so it runs on any machine).
+May import: checkpoints/files.py only (the output check; standard library only), so it runs on any machine.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_dist.checkpoints.files import check_output_dir
 from dflash_dist.report.runs import ReportInputError, RunData, load_run
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,9 @@ class Report:
 
 
 def make_report(run_dirs: list[Path], out: Path, labels: list[str] | None = None) -> Report:
-    """Load the runs, draw every figure that has data, write `out/NAME.png` and `out/index.html`."""
+    """Load the runs, draw every figure that has data, write `out/NAME.png` and `out/index.html`. Raises
+    ReportInputError for a run that cannot be read, OutputPathError (naming --out) for an `out` that cannot
+    be created or written, found before any figure is drawn."""
     import matplotlib
     matplotlib.use("Agg")  # files only: no display, even where one is set
     from dflash_dist.report import figures, page
@@ -42,8 +45,7 @@ def make_report(run_dirs: list[Path], out: Path, labels: list[str] | None = None
         raise ReportInputError(f"--labels: {len(labels)} labels for {len(run_dirs)} run directories")
     runs = [load_run(Path(d), labels[i] if labels else None) for i, d in enumerate(run_dirs)]
     _unique_labels(runs)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = check_output_dir(out, "--out")
     drawn, written, left_out = [], [], {}
     for make in figures.ALL:
         d = make(runs)

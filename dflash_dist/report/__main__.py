@@ -1,7 +1,7 @@
 """python -m dflash_dist.report RUN_DIR [RUN_DIR ...] [--out DIR] [--labels A,B]
 
-Exit codes: 0 written; 2 a run directory or one of its files cannot be read (the message names it), or
-matplotlib is not installed.
+Exit codes: 0 written; 2 a run directory or one of its files cannot be read (the message names it and
+the line), the --out folder cannot be created or written, or matplotlib is not installed.
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import logging
 import sys
 from pathlib import Path
 
+from dflash_dist.checkpoints.files import OutputPathError
 from dflash_dist.report import ReportInputError, make_report
 
 
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         rep = make_report(args.run_dirs, out, labels)
-    except ReportInputError as exc:
+    except (ReportInputError, OutputPathError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {rep.index} with {len(rep.figures)} figures:")

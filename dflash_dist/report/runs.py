@@ -86,14 +86,18 @@ def load_run(path: Path, label: str | None = None) -> RunData:
 
 def _read_jsonl(path: Path, notes: list[str]) -> list[dict]:
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except OSError as exc:
         raise ReportInputError(f"{path}: cannot be read: {exc}") from exc
-    lines = text.split("\n")
+    lines = data.split(b"\n")  # bytes, not text: a line that is not UTF-8 is named, not a traceback
     records = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip():
             continue
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ReportInputError(f"{path}:{n}: not UTF-8 text (byte {exc.start + 1} of the line)") from exc
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as exc:
@@ -101,11 +105,52 @@ def _read_jsonl(path: Path, notes: list[str]) -> list[dict]:
                 notes.append(f"{path.name}: line {n} is incomplete (a run still writing, or killed) and was not read")
                 log.warning("%s:%d: incomplete last line not read", path, n)
                 continue
-            raise ReportInputError(f"{path}:{n}: not a JSON record: {exc}") from exc
+            rec = _after_a_cut(line)
+            if rec is None:
+                raise ReportInputError(f"{path}:{n}: not a JSON record: {exc}") from exc
+            notes.append(f"{path.name}: line {n} starts with a record cut short (a full disk, or a kill mid-write), "
+                         f"which was not read; the record after it on the same line was")
+            log.warning("%s:%d: a record cut short was not read; the one glued to it was", path, n)
         if not isinstance(rec, dict):
             raise ReportInputError(f"{path}:{n}: expected a JSON object, found {type(rec).__name__}")
+        _check_record(rec, path, n)
         records.append(rec)
     return records
+
+
+def _after_a_cut(line: str) -> dict | None:
+    """The whole record at the end of `line` when the line is a record cut short with the next process's
+    first record written straight after it (the writer died mid-line; the next one appended); else None."""
+    for i in range(len(line) - 1, 0, -1):
+        if line.startswith('{"', i):
+            try:
+                rec = json.loads(line[i:])
+            except json.JSONDecodeError:
+                continue
+            return rec if isinstance(rec, dict) else None
+    return None
+
+
+# What the report sorts, groups and indexes by: kind -> keys it must have, as integers. Every other value
+# is read as a number where it is one and as missing where not (plotting.values).
+REQUIRED_INTS = {"step": ("step", "epoch"), "epoch_plan": ("epoch",), "epoch_end": ("epoch",)}
+INT_KEYS = ("step", "epoch")
+
+
+def _check_record(rec: dict, path: Path, n: int) -> None:
+    kind = rec.get("kind", "progress")
+    if not isinstance(kind, str):
+        raise ReportInputError(f"{path}:{n}: 'kind' is {json.dumps(kind)}, not a string")
+    required = REQUIRED_INTS.get(kind, ())
+    for key in required:
+        if key not in rec:
+            raise ReportInputError(f"{path}:{n}: a {kind!r} record without {key!r}")
+    for key in INT_KEYS:
+        v = rec.get(key)
+        if key not in rec or (v is None and key not in required):
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ReportInputError(f"{path}:{n}: {key!r} is {json.dumps(v)}, not a whole number >= 0")
 
 
 def _join_times(records: list[dict]) -> None:
