@@ -30,7 +30,7 @@ EXIT_CODE_DIR = "DFLASH_EXIT_CODE_DIR"
 
 def record_exit_code(code: int) -> int:
     """Write `code` to $DFLASH_EXIT_CODE_DIR/local-rank-$LOCAL_RANK (when both are set); returns it.
-    A worker that dies without returning (a signal, the dead-peer watchdog's os._exit) writes nothing,
+    A worker killed by a signal writes nothing (the dead-peer watchdog writes its code before os._exit),
     which run.sh reads as a failure."""
     where, local_rank = os.environ.get(EXIT_CODE_DIR), os.environ.get("LOCAL_RANK")
     if where and local_rank is not None:

@@ -5,7 +5,9 @@ the process-group timeout. So every rank runs one thread that (1) bumps its own 
 c10d store every `heartbeat_s`, and (2) reads every other rank's key: a counter that has not moved for
 `dead_after_s` (measured on this rank's clock, so clocks need not agree), or a rank that marked itself
 failed, ends this process with an error naming that rank and its role. A rank that finished cleanly
-marks itself done and is never reported. The thread uses only the store, never a collective.
+marks itself done and is never reported. The thread uses only the store, never a collective. Here, below
+data/, because regeneration's ranks (which share no process group, only torchrun's store) watch each
+other with it too.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import time
 
 import torch.distributed as dist
 
-from dflash_dist.exits import EXIT_PEER_LOST
+from dflash_dist.exits import EXIT_PEER_LOST, record_exit_code
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,13 @@ class Liveness:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2 * self.heartbeat_s + 1)
+
+    def await_peers(self, timeout_s: float) -> "Liveness":
+        """For ranks without a collective to follow their first heartbeats (regeneration): wait until every
+        rank's key is in the store (torch's TimeoutError after `timeout_s`), then start."""
+        import datetime
+        self.store.wait([self._key(r) for r in range(self.world)], datetime.timedelta(seconds=timeout_s))
+        return self.start()
 
     def await_verdict(self, seconds: float) -> None:
         """Sleep while the watchdog looks for a dead peer; it ends the process if it finds one."""
@@ -100,4 +109,5 @@ class Liveness:
         for h in logging.getLogger().handlers:
             h.flush()
         sys.stderr.flush()
+        record_exit_code(code)  # os._exit skips the caller's own record; launch/run.sh reads this one
         os._exit(code)
