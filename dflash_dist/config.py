@@ -193,9 +193,10 @@ class TrainConfig:
     export: bool = True
     eval_prompts: int = num(12, ge=0)  # held-out prompts for tau before/after training (rank 0; 0 = skip)
     eval_new_tokens: int = num(40, ge=1)
-    # {"turns": [...]} JSONL (or token-id JSONL) the end-of-run tau is measured on, through the target's chat
-    # template; "" = the synthetic held-out set. Needs the whole target on rank 0 (dflash_dist.evaluation).
+    # {"turns": [...]} JSONL (or token-id JSONL) tau is measured on, through the target's chat template;
+    # "" = the synthetic held-out set (prepared data has none: set this). Rank 0 then holds the whole target.
     eval_bench: str = ""
+    eval_every_steps: int = num(0, ge=0)  # tau also every N optimizer steps (0: before and after training only)
     resume: str = "auto"  # auto: newest complete checkpoint of run_dir; none; or a checkpoint directory
     checkpoint_every_steps: int = num(0, ge=0)  # 0 = off
     checkpoint_every_min: float = num(0.0, ge=0)  # 0 = off
@@ -329,6 +330,15 @@ def _check_liveness(d: "DistConfig") -> None:
         raise ConfigError(f"config key 'dist.timeout_s': must exceed dist.dead_after_s + 2 x dist.heartbeat_s "
                           f"({d.timeout_s:g} <= {d.dead_after_s + 2 * d.heartbeat_s:g}): a collective must not give "
                           "up before the watchdog can name a dead peer")
+
+
+def measures_tau(cfg: Config) -> bool:
+    """Whether the run measures tau (rank 0, by real decoding): eval prompts asked for, a prompt set (the
+    synthetic held-out one, or train.eval_bench: prepared data has no held-out split), and a target a
+    single rank can hold whole (tensor_parallel 1). Rank 0 then holds the whole target (train.build, the
+    memory model)."""
+    return cfg.train.eval_prompts > 0 and cfg.model.target.tensor_parallel == 1 and \
+        (not cfg.data.path or bool(cfg.train.eval_bench))
 
 
 def loss_gamma(cfg: ObjectiveConfig) -> float:

@@ -69,18 +69,20 @@ def build(cfg: Config, ctx: DistContext, stop_flag: StopFlag, lock: RunLock) -> 
             removed = cleanup_leftovers(Path(cfg.train.run_dir))
             if removed:
                 log.warning("removed leftovers of an interrupted save or prune: %s", ", ".join(removed))
-        # With prepared data a drafter needs only the target's embedding and LM head (the in-run tau
-        # evaluation and the regenerated corpus, which need all of it, belong to the synthetic data).
-        # A target replica larger than one GPU holds no whole target on any rank: its drafters too
-        # take only the head (and tau is measured after the run, by dflash_dist.evaluate).
-        head_only = ctx.role == "drafter" and (bool(cfg.data.path) or cfg.model.target.tensor_parallel > 1)
+        # With prepared data a drafter needs only the target's embedding and LM head, except rank 0 when
+        # it measures tau (train.eval_bench): decoding verifies every draft with the target, next to the
+        # drafter rank 0 already holds whole (the memory model counts it). A target replica larger than one
+        # GPU holds no whole target on any rank: its drafters too take only the head (and tau is measured
+        # after the run, by dflash_dist.evaluate).
+        head_only = ctx.role == "drafter" and (cfg.model.target.tensor_parallel > 1 or (
+            bool(cfg.data.path) and not (ctx.rank == 0 and evaluates(cfg))))
         target = build_target(cfg, ctx.device, head_only=head_only, tp_group=ctx.replica_group)
         if head_only and not cfg.data.path and cfg.data.synthetic.regenerate:
             raise ConfigError("config key 'data.synthetic.regenerate': regenerating the corpus needs the whole "
                               "target on rank 0, which a tensor-parallel run does not hold; set it to false, or "
                               "prepare the data and regenerate it offline (python -m dflash_dist.data.regenerate)")
         spec = draft_spec(cfg, target)
-        if ctx.rank == 0 and cfg.train.eval_bench:
+        if ctx.rank == 0:
             check_eval_bench(cfg, target)
         # A regenerated corpus is made once, by rank 0, while the others wait in the vote below; a
         # prepared dataset is opened (and validated) by every rank before the vote.
@@ -122,12 +124,18 @@ def build(cfg: Config, ctx: DistContext, stop_flag: StopFlag, lock: RunLock) -> 
 
 def check_eval_bench(cfg: Config, target) -> None:
     """Rank 0: a bad `train.eval_bench` is exit 2 on every rank now, not a failed evaluation after the
-    groups wait on rank 0; where the run measures no tau, the key is said to be ignored."""
+    groups wait on rank 0; where the run measures no tau, it says why."""
     if not evaluates(cfg):
-        log.warning("train.eval_bench=%s is not measured in this run (it needs train.eval_prompts > 0, the "
-                    "synthetic corpus and the whole target on rank 0): use python -m dflash_dist.evaluate --bench "
-                    "after the run", cfg.train.eval_bench)
+        t = cfg.train
+        tp = cfg.model.target.tensor_parallel
+        why = ("train.eval_prompts=0" if t.eval_prompts == 0 else f"no whole target on any rank "
+               f"(model.target.tensor_parallel={tp})" if tp > 1
+               else "prepared data has no held-out prompts: set train.eval_bench=FILE.jsonl")
+        log.log(logging.WARNING if t.eval_bench or t.eval_every_steps else logging.INFO,
+                "tau is not measured in this run (%s): use python -m dflash_dist.evaluate --bench after the run", why)
         return
+    if not cfg.train.eval_bench:
+        return  # the synthetic held-out set
     from dflash_dist.evaluation.measure import eval_bench_set
     eval_bench_set(cfg, target)
 

@@ -5,7 +5,8 @@ what autograd keeps for backward, tensor by tensor, at the worst batch of the re
 
   drafter  parameters (fp32), gradients, AdamW (2 x fp32), autocast's bf16 copies of the weights
            (kept for backward), the frozen embedding + LM head (compute dtype), the packets in flight
-           (transport.max_in_flight receive buffers), the fused context and what its backward keeps, the
+           (transport.max_in_flight receive buffers), on rank 0 when it measures tau (and on every drafter
+           of the synthetic corpus) the rest of the target's weights, the fused context and what its backward keeps, the
            labels; then per anchor chunk: the draft layers' saved activations (block rows, and the
            context rows every layer projects again), the larger of the loss chunk (loss_rows x V float32
            logits, plus their compute-dtype copy) and the backward's temporaries; allocator slack. The
@@ -29,7 +30,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from dflash_dist.config import Config
+from dflash_dist.config import Config, measures_tau
 from dflash_dist.forecast.shapes import KNOWN_ARCHS, ModelShapes, model_shapes
 
 GiB = 2 ** 30
@@ -134,6 +135,14 @@ class Prediction:
 
 
 # -- batches ------------------------------------------------------------------------------------------
+
+def holds_whole_target(cfg: Config) -> bool:
+    """Whether a drafter rank (the worst one) holds the whole target, as train.build loads it: rank 0 when
+    the run measures tau, every drafter of the synthetic corpus; else the embedding and LM head only. The
+    evaluation itself runs between steps, once the step's activations are freed; its one-sequence KV cache
+    and activations are taken to stay below theirs and are not counted."""
+    return cfg.model.target.tensor_parallel == 1 and (not cfg.data.path or measures_tau(cfg))
+
 
 def tail_anchorable(lengths: np.ndarray, supervised: np.ndarray) -> np.ndarray:
     """Anchor positions per sample when its supervised tokens are its tail (a chat sample's response),
@@ -334,6 +343,8 @@ def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, worst: BatchShape, 
         # autocast's bf16 copies of the weights, kept by the matmuls for backward
         "weight_casts": c * P if p.autocast else 0,
         "embed_head": V * H * tb * (1 if s.tied else 2),
+        # The rest of the target, on the drafter ranks that hold it whole (`holds_whole_target`).
+        "whole_target": (s.target_params - V * H * (1 if s.tied else 2)) * tb if holds_whole_target(cfg) else 0,
         "packets": cfg.transport.max_in_flight * (N * nf * H * xb + meta),
         # fc output through hidden_norm (kept), the context (N, H) float32 and its gradient
         "context": N * (_norm_saved(H, 1, c) + 8 * H),

@@ -65,7 +65,7 @@ def serving_settings(spec: DraftSpec, draft: str = "EXPORT_DIR", target: str = "
 
 def model_card(spec: DraftSpec, facts: dict | None = None) -> str:
     """README.md of an export. `facts`: target (a path or name), data (samples, tokens, epochs, steps),
-    tau (the end-of-training measurement), as far as known."""
+    tau (the end-of-training measurement) and tau_set (its prompt set), as far as known."""
     facts = facts or {}
     target = facts.get("target") or "TARGET"
     serve = serving_settings(spec, "EXPORT_DIR", target)
@@ -79,7 +79,8 @@ def model_card(spec: DraftSpec, facts: dict | None = None) -> str:
             ("drafter", f"{spec.num_layers} layers, {spec.num_heads} / {spec.num_kv_heads} heads x {spec.head_dim}")]
     if data:
         rows.append(("data", ", ".join(f"{k} {v:,}" if isinstance(v, int) else f"{k} {v}" for k, v in data.items())))
-    rows.append(("tau at the end of training", f"{tau:.3f}" if isinstance(tau, (int, float)) else "not measured"))
+    on = f" on {facts['tau_set']}" if facts.get("tau_set") else ""  # the prompt set it was measured on
+    rows.append(("tau at the end of training", f"{tau:.3f}{on}" if isinstance(tau, (int, float)) else "not measured"))
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
     v, s = serve["vllm"], serve["sglang"]
     return f"""# DFlash drafter (dflash_dist export)

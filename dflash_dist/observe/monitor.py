@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 import urllib.parse
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +25,9 @@ import torch
 from dflash_dist.checkpoints.files import json_safe
 
 log = logging.getLogger(__name__)
+
+RATE_WINDOW_S = 60.0  # the ETA's rate: batches over the steps of about the last minute
+STALL_S = 30.0  # no new step for this long (at least 10 intervals): one "waiting" line, not a repeated one
 
 
 @dataclass
@@ -52,10 +56,32 @@ class Progress:
     resumed_done: int = 0  # batches / tokens done before this process started (resume)
     resumed_tokens: int = 0
     resumed_samples: int = 0
+    # (time, batches done, tokens) at the end of each recent step of this process: the rates' window. The
+    # first entry is the first step's end, so neither start-up nor the first step's warm-up is in a rate.
+    marks: deque = field(default_factory=lambda: deque(maxlen=512))
+    tau: dict | None = None  # the last tau measured during training ({"step", "tau", ...})
 
     @property
     def total_batches(self) -> int:
         return sum(self.epoch_counts)
+
+    def mark(self, now: float | None = None) -> None:
+        """Main thread, after each step: one entry of the rates' window (a deque append is atomic)."""
+        self.marks.append((time.time() if now is None else now, self.total_done, self.tokens))
+
+
+def recent_rate(marks, window_s: float = RATE_WINDOW_S) -> tuple[float, float] | None:
+    """(batches/s, tokens/s) between the oldest step end within `window_s` of the newest and the newest
+    (at least the two newest); None before two steps have ended: no rate, no ETA."""
+    marks = list(marks)
+    if len(marks) < 2:
+        return None
+    t1, b1, k1 = marks[-1]
+    inside = [m for m in marks[:-1] if m[0] >= t1 - window_s]
+    t0, b0, k0 = inside[0] if inside else marks[-2]
+    if t1 <= t0:
+        return None
+    return (b1 - b0) / (t1 - t0), (k1 - k0) / (t1 - t0)
 
 
 def _fmt_eta(seconds: float) -> str:
@@ -68,16 +94,18 @@ def _fmt_eta(seconds: float) -> str:
 def snapshot(p: Progress, device: torch.device) -> dict:
     elapsed = time.time() - p.started
     total = p.total_batches
+    rate = recent_rate(p.marks)
     rec = {
         "time": round(elapsed, 3), "epoch": p.epoch + 1, "epochs": p.num_epochs,
         "batch": p.epoch_done, "batches_per_epoch": p.epoch_batches,
         "epoch_progress": p.epoch_done / p.epoch_batches if p.epoch_batches else 0.0,
         "total_progress": p.total_done / total if total else 0.0, "step": p.step,
         "tokens": p.tokens, "samples": p.samples,
-        "tok_per_s": (p.tokens - p.resumed_tokens) / elapsed if elapsed > 0 else 0.0,
+        "tok_per_s": (p.tokens - p.resumed_tokens) / elapsed if elapsed > 0 else 0.0,  # this process's mean
         "samples_per_s": (p.samples - p.resumed_samples) / elapsed if elapsed > 0 else 0.0,
-        "eta_s": elapsed * (total - p.total_done) / (p.total_done - p.resumed_done)
-        if p.total_done > p.resumed_done else float("inf"),
+        # Recent rates (RATE_WINDOW_S): what the run does now, not its start-up; none before two step ends.
+        "tok_per_s_recent": rate[1] if rate else float("nan"),
+        "eta_s": (total - p.total_done) / rate[0] if rate and rate[0] > 0 else float("inf"),
         "loss": p.loss, "acc": list(p.acc), "accept_len": p.accept_len, "lr": p.lr,
         "wait_targets": wait_fraction(p.target_wait_s, p.target_compute_s),
         "wait_drafters": wait_fraction(p.drafter_wait_s, p.drafter_compute_s),
@@ -87,6 +115,8 @@ def snapshot(p: Progress, device: torch.device) -> dict:
         "drafter_wait_s": p.drafter_wait_s, "drafter_compute_s": p.drafter_compute_s,
         "target_wait_s": p.target_wait_s, "target_compute_s": p.target_compute_s,
     }
+    if p.tau is not None:
+        rec["tau"], rec["tau_step"] = p.tau["tau"], p.tau["step"]
     if device.type == "cuda":
         rec["gpu_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     return rec
@@ -94,11 +124,14 @@ def snapshot(p: Progress, device: torch.device) -> dict:
 
 def format_line(r: dict) -> str:
     acc1 = r["acc"][0] if r["acc"] else float("nan")
+    tok_s = r.get("tok_per_s_recent", float("nan"))
+    tok_s = r["tok_per_s"] if not math.isfinite(tok_s) else tok_s
+    tau = f"tau {r['tau']:.2f} (step {r['tau_step']})  " if "tau" in r else ""
     line = (f"epoch {r['epoch']}/{r['epochs']}  batch {r['batch']}/{r['batches_per_epoch']} "
             f"({100 * r['epoch_progress']:.0f}%)  total {100 * r['total_progress']:.0f}%  "
-            f"{r['tok_per_s'] / 1e3:.1f}k tok/s  ETA {_fmt_eta(r['eta_s'])}  loss {r['loss']:.3f}  "
+            f"{tok_s / 1e3:.1f}k tok/s  ETA {_fmt_eta(r['eta_s'])}  loss {r['loss']:.3f}  "
             f"gnorm {r.get('grad_norm', float('nan')):.2f}  "
-            f"acc@1 {acc1:.2f}  tau~{r['accept_len']:.2f}  "
+            f"acc@1 {acc1:.2f}  tau~{r['accept_len']:.2f}  {tau}"
             f"wait: targets {100 * r['wait_targets']:.0f}% drafters {100 * r['wait_drafters']:.0f}%  "
             f"rss {r['rss_gib']:.1f} GiB")
     if r.get("skipped_steps"):
@@ -127,8 +160,11 @@ class Sinks:
     def __init__(self, run_dir: Path, wandb_cfg, config_dict: dict, run_id: str | None = None):
         self.lock = threading.Lock()
         self.jsonl = None
+        self.cut_lines = 0  # a last line an earlier process left without its end (1 or 0)
         try:
-            self.jsonl = open(Path(run_dir) / "metrics.jsonl", "a", buffering=1)
+            path = Path(run_dir) / "metrics.jsonl"
+            self.cut_lines = end_partial_line(path)
+            self.jsonl = open(path, "a", buffering=1)
         except OSError as exc:
             self._drop_jsonl(exc)
         self.run_id = run_id
@@ -195,6 +231,28 @@ class Sinks:
                 except Exception as exc:
                     log.warning("wandb finish failed (%s: %s)", type(exc).__name__, exc)
                 self.wandb = None
+
+
+def end_partial_line(path: Path) -> int:
+    """End a last line cut by an earlier process (a full disk, a kill mid-write) before appending, so the
+    next record starts a line of its own instead of gluing itself to the fragment, which stays as one bad
+    line (`report` names it). Returns the number of lines ended (0 or 1)."""
+    lines, cut = 0, 0  # line ends, and bytes after the last one (read in chunks: the file can be large)
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                n = chunk.count(b"\n")
+                lines, cut = lines + n, len(chunk) - chunk.rfind(b"\n") - 1 if n else cut + len(chunk)
+    except FileNotFoundError:
+        return 0
+    if not cut:
+        return 0
+    with open(path, "ab") as f:
+        f.write(b"\n")
+    log.warning("%s: line %d was cut short (%d bytes without a line end, left by an interrupted write: a full "
+                "disk or a kill); ended it so new records start on a line of their own; it stays, one bad line",
+                path, lines + 1, cut)
+    return 1
 
 
 WANDB_MODES = ("online", "offline", "disabled")
@@ -265,8 +323,13 @@ def _start_wandb(run_dir: Path, wandb_cfg, config_dict: dict, mode: str, run_id:
 
 
 class Monitor:
-    def __init__(self, progress: Progress, sinks: Sinks, interval_s: float, device: torch.device):
+    """A line (and JSONL record) every `interval_s` in which a step ended; none while no step does,
+    except one "waiting" line every `stall_s` (default: STALL_S, at least 10 intervals)."""
+
+    def __init__(self, progress: Progress, sinks: Sinks, interval_s: float, device: torch.device,
+                 stall_s: float | None = None):
         self.progress, self.sinks, self.interval_s, self.device = progress, sinks, interval_s, device
+        self.stall_s = max(STALL_S, 10 * interval_s) if stall_s is None else stall_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dflash-monitor", daemon=True)
 
@@ -275,9 +338,17 @@ class Monitor:
         return self
 
     def _run(self) -> None:
+        reported, since = self.progress.step, time.time()  # the last line's step (a resume: its start), and when
         while not self._stop.wait(self.interval_s):
-            if self.progress.step > 0:
+            p = self.progress
+            if p.step > reported:
                 self.report()
+                reported, since = p.step, time.time()
+            elif p.step > 0 and time.time() - since >= self.stall_s:
+                log.info("waiting: no optimizer step for %.0f s (last: step %d, epoch %d batch %d/%d)",
+                         time.time() - p.marks[-1][0] if p.marks else time.time() - since, p.step, p.epoch + 1,
+                         p.epoch_done, p.epoch_batches)
+                since = time.time()
 
     def report(self, kind: str = "progress", extra: dict | None = None) -> dict:
         rec = snapshot(self.progress, self.device)

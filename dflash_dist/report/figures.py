@@ -257,31 +257,49 @@ def step_accuracy_and_length(runs: list[RunData], window: int = 60) -> Drawn:
 
 def tau(runs: list[RunData]) -> Drawn:
     name, title = "tau", "Acceptance length tau, measured by decoding and estimated in training"
-    caption = ("tau measured by real draft-then-verify decoding on held-out prompts before and after training "
-               "(summary.json), beside the training's last teacher-forced estimate. Drawn for runs that measured "
-               "it (train.eval_prompts > 0 on synthetic data; else python -m dflash_dist.evaluate).")
+    caption = ("tau measured by real draft-then-verify decoding on held-out prompts (the synthetic held-out set or "
+               "train.eval_bench): before and after training (summary.json), beside the training's teacher-forced "
+               "estimate over its last epoch; and, where the run measured it during training "
+               "(train.eval_every_steps), tau at each of those optimizer steps (metrics.jsonl's tau records). "
+               "Drawn for runs that measured it (train.eval_prompts > 0, and train.eval_bench with prepared data; "
+               "else python -m dflash_dist.evaluate).")
+
     def measured(run: RunData, key: str) -> float:
         v = (run.summary or {}).get(key)
         return float(v["tau"]) if isinstance(v, dict) and isinstance(v.get("tau"), (int, float)) else np.nan
-    have = [r for r in runs if np.isfinite(measured(r, "tau_trained")) or np.isfinite(measured(r, "tau_untrained"))]
-    if not have:
+    ends = [r for r in runs if np.isfinite(measured(r, "tau_trained")) or np.isfinite(measured(r, "tau_untrained"))]
+    curves = [r for r in runs if r.kind("tau")]
+    if not ends and not curves:
         return no_data(name, title, caption, "no run measured tau (evaluation off: train.eval_prompts=0, prepared "
-                       "data, or the run has not finished)")
-    fig, axes = new_figure(1, 1, width=8.0, height=4.2)
+                       "data without train.eval_bench, or the run has not finished)")
+    fig, axes = new_figure(2 if curves else 1, 1, width=8.0, height=4.2)
     ax, kinds = axes[0, 0], ("before training", "after training", "training estimate")
-    width = 0.8 / len(have)
-    for i, run in enumerate(have):
+    width = 0.8 / max(len(ends), 1)
+    for i, run in enumerate(ends):
         est = (run.summary or {}).get("final_accept_len_estimate")
         ys = [measured(run, "tau_untrained"), measured(run, "tau_trained"),
               float(est) if isinstance(est, (int, float)) else np.nan]
-        x = np.arange(3) + (i - (len(have) - 1) / 2) * width
+        x = np.arange(3) + (i - (len(ends) - 1) / 2) * width
         bars = ax.bar(x, ys, width=width * 0.9, color=color(runs.index(run)), label=run.label)
         ax.bar_label(bars, fmt="%.2f", fontsize="small")
     ax.set_xticks(range(3), kinds)
     ax.set(title=title, ylabel="tokens accepted per verify step", ylim=(0, None))
     ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize="small", loc="upper left")
-    return Drawn(name, title, caption, fig, run_notes=missing(runs, lambda r: r in have, "measured tau"))
+    if ends:
+        ax.legend(fontsize="small", loc="upper left")
+    if curves:
+        ax = axes[1, 0]
+        for run in curves:
+            recs = run.kind("tau")
+            ax.plot(values(recs, "step"), values(recs, "tau"), "-o", markersize=3, color=color(runs.index(run)),
+                    label=run.label)
+        mark_epochs(ax, runs, with_label=False)
+        ax.set(title="tau measured during training", xlabel="optimizer step",
+               ylabel="tokens accepted per verify step", ylim=(0, None))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small", loc="upper left")
+    notes = missing(runs, lambda r: r in ends or r in curves, "measured tau")
+    return Drawn(name, title, caption, fig, run_notes=notes)
 
 
 def memory(runs: list[RunData]) -> Drawn:

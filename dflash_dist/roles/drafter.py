@@ -182,6 +182,8 @@ class Drafter:
             self.state.cursor = Cursor(epoch + 1, 0) if done else Cursor(epoch, sched.next_batch(step + 1))
             if self.save_due:
                 self.save()
+            if self.eval_due():
+                self.evaluate(f"step {self.state.totals.steps}")
         inbox.check_empty()
         self.reporter.epoch_end(sched, time.time() - t0)
         if votes.finish() and epoch + 1 < cfg.train.epochs:
@@ -302,6 +304,12 @@ class Drafter:
         """Every drafter gathers (a collective under FSDP); rank 0 writes."""
         full = self.state.full_state(self.sharding, self.reporter.history_now())
         return self.reporter.save(full)
+
+    def eval_due(self) -> bool:
+        """tau every train.eval_every_steps optimizer steps: the same decision on every drafter (their step
+        counts are equal; under FSDP all gather the weights), not at the last step (the end measures it)."""
+        n, steps = self.run.cfg.train.eval_every_steps, self.state.totals.steps
+        return n > 0 and steps % n == 0 and steps < self.total_steps and evaluates(self.run.cfg)
 
     def evaluate(self, label: str) -> dict | None:
         """tau on rank 0, with the whole drafter (under FSDP a plain copy of the gathered weights)."""

@@ -15,7 +15,7 @@ import torch
 
 from dflash_dist.checkpoints import store as checkpoint
 from dflash_dist.observe.balance import balance_advice, format_advice
-from dflash_dist.config import ConfigError, to_dict
+from dflash_dist.config import ConfigError, measures_tau, to_dict
 from dflash_dist.data.dataset import preparation_skips
 from dflash_dist.data.digest import dataset_digest
 from dflash_dist.models.export import export_drafter, write_model_card
@@ -27,7 +27,7 @@ from dflash_dist.training.setup import RunSetup
 from dflash_dist.plan.schedule import EpochSchedule
 from dflash_dist.observe.monitor import wait_fraction
 from dflash_dist.training.stats import StepStats
-from dflash_dist.training.state import History, TrainState
+from dflash_dist.training.state import History, Totals, TrainState
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class Reporter(NullReporter):
         self.monitor: Monitor | None = None
         self.last_save = time.time()
         self.predicted: dict | None = None  # the cost model's seconds per batch (cost.start_of_run)
-        self.epoch_correct = self.epoch_valid = None  # hits and labels per block slot, this epoch so far
+        self.epoch_totals = Totals()  # this epoch's steps so far (in this process): its means
 
     def __enter__(self):
         cfg, h = self.run.cfg, self.state.history
@@ -109,8 +109,8 @@ class Reporter(NullReporter):
 
     def evaluate(self, label: str, model) -> dict | None:
         """tau by real draft-then-verify decoding on held-out prompts of the synthetic corpus, or on the
-        `train.eval_bench` set (the drafter asks only where `evaluates` says so; prepared data:
-        `python -m dflash_dist.evaluate` after the run)."""
+        `train.eval_bench` set (the drafter asks only where `evaluates` says so), at the current step:
+        logged, a `tau` record in metrics.jsonl, the monitor's line and the run's history."""
         cfg = self.run.cfg
         from dflash_dist.evaluation.measure import training_eval  # train.eval_bench's set, else the synthetic held-out one
         t0 = time.time()
@@ -123,7 +123,13 @@ class Reporter(NullReporter):
                  "output %s the target's greedy output (%.1fs)", label, r["tau"], r["num_steps"], r["num_prompts"],
                  r["prompt_set"],
                  "equals" if r["exact"] else f"DIFFERS ({r['mismatches']} prompts) from", time.time() - t0)
-        return {k: r[k] for k in ("tau", "num_prompts", "num_steps", "exact", "mismatches", "prompt_set")}
+        out = {k: r[k] for k in ("tau", "num_prompts", "num_steps", "exact", "mismatches", "prompt_set")}
+        out.update(step=self.progress.step, label=label, accepted_per_position=r["accepted_per_position"],
+                   seconds=round(time.time() - t0, 2))
+        self.progress.tau = out
+        self.state.history.taus.append(out)
+        self.sinks.write({"kind": "tau", **out}, console=False)
+        return out
 
     def begin_training(self) -> None:
         self.progress.started = time.time()  # rates and ETA count training time only
@@ -131,7 +137,7 @@ class Reporter(NullReporter):
     def epoch_start(self, sched: EpochSchedule, plan: BatchPlan | None = None) -> None:
         p = self.progress
         p.epoch, p.epoch_batches, p.epoch_done = sched.epoch, sched.num_batches, sched.origin
-        self.epoch_correct = self.epoch_valid = None
+        self.epoch_totals = Totals()
         if plan is not None:
             self.sinks.write({"kind": "epoch_plan", "step": p.step, "epoch": sched.epoch + 1, "batches": len(plan),
                               "planned": self.run.epoch_counts[sched.epoch],
@@ -151,8 +157,9 @@ class Reporter(NullReporter):
         p.epoch_done += s.batches
         p.total_done = t.batches
         p.step = t.steps
-        self.epoch_correct = s.correct if self.epoch_correct is None else self.epoch_correct + s.correct
-        self.epoch_valid = s.valid if self.epoch_valid is None else self.epoch_valid + s.valid
+        p.mark()
+        self.epoch_totals.add(s)
+        self.epoch_totals.steps += 1
         # One JSONL line per step (the step's batches pooled over drafters): what the run report plots
         # against the batches' mean sample length; the progress lines sample only every interval.
         hits, labels = float(s.correct[1:].sum()), float(s.valid[1:].sum())
@@ -163,12 +170,15 @@ class Reporter(NullReporter):
                           "grad_norm": grad_norm, "lr": lr}, console=False, remote=False)
 
     def epoch_end(self, sched: EpochSchedule, seconds: float) -> None:
-        acc = self.epoch_correct[1:] / self.epoch_valid[1:].clamp(min=1) if self.epoch_valid is not None else None
-        # epoch_acc: per block slot, pooled over the epoch's steps in this process (the last step's is `acc`).
-        rec = self.monitor.report(kind="epoch_end", extra={"epoch_acc": acc.tolist() if acc is not None else []})
+        # The epoch's means, pooled over its steps in this process (a resumed epoch: those after the resume);
+        # `loss`/`acc` of the record are the last step's.
+        mean = epoch_means(self.epoch_totals)
+        rec = self.monitor.report(kind="epoch_end", extra={"epoch_acc": mean["acc"], "epoch_loss": mean["loss"],
+                                                           "epoch_accept_len": mean["accept_len"],
+                                                           "epoch_steps": mean["steps"]})
         self.state.history.epochs.append({"epoch": sched.epoch + 1, "batches": sched.num_batches,
                                           "epoch_progress": rec["epoch_progress"], "time_s": round(seconds, 2),
-                                          "loss": rec["loss"]})
+                                          **mean})
 
     def training_over(self) -> None:
         self.monitor.stop()  # no more progress lines during the final evaluation
@@ -227,24 +237,29 @@ class Reporter(NullReporter):
         return {"target": tc.path or f"built-in tiny target (model.target.seed={tc.seed})",
                 "data": {"samples": t.samples, "tokens": t.tokens, "epochs": self.run.cfg.train.epochs,
                          "optimizer steps": t.steps},
-                "tau": (tau or {}).get("tau")}
+                "tau": (tau or {}).get("tau"), "tau_set": (tau or {}).get("prompt_set")}
 
     def finish(self, digest: str, checkpoint: Path | None, exported: Path | None, tau_trained: dict | None) -> dict:
         run, t, h, p = self.run, self.state.totals, self.state.history, self.progress
         lay = run.ctx.layout
         elapsed = time.time() - p.started
+        last = final_window(h.epochs, p)
         dw, dc = h.drafter_wait_s + p.drafter_wait_s, h.drafter_compute_s + p.drafter_compute_s
         tw, tc = h.target_wait_s + p.target_wait_s, h.target_compute_s + p.target_compute_s
         summary = {
             "epochs": h.epochs, "steps": t.steps, "batches": t.batches, "samples": t.samples, "tokens": t.tokens,
             "time_s": round(h.train_time_s + elapsed, 2),
             "tok_per_s": (t.tokens - p.resumed_tokens) / max(elapsed, 1e-9),  # this process's rate
-            "final_loss": p.loss, "mean_loss": t.loss_sum / max(t.weight_sum, 1e-9),
+            # final_*: the last epoch's means (final_window says over what); the last step alone is noise
+            "final_window": last["window"], "final_loss": last["loss"],
+            "mean_loss": t.loss_sum / max(t.weight_sum, 1e-9),
             "acc_per_position": [round(a, 4) for a in t.accuracy()],
-            "final_acc_per_position": [round(a, 4) for a in p.acc],
-            "final_accept_len_estimate": p.accept_len,  # teacher-forced, over anchors: not decoding tau
+            "final_acc_per_position": [round(a, 4) for a in last["acc"]],
+            "final_accept_len_estimate": last["accept_len"],  # teacher-forced, over anchors: not decoding tau
+            "last_step_loss": p.loss,
             "skipped_nonfinite_steps": t.skipped_steps,
             "tau_untrained": h.tau_untrained, "tau_trained": tau_trained,
+            "tau_during_training": list(h.taus),  # every measurement of the run, by step (before and after too)
             "planned_batches": list(run.epoch_counts),
             "skipped": dict(run.skipped or {}), "skipped_in_preparation": preparation_skips(run.dataset),
             "checkpoint": str(checkpoint) if checkpoint else None, "export": str(exported) if exported else None,
@@ -263,9 +278,9 @@ class Reporter(NullReporter):
         write_json(self.run_dir / "summary.json", summary)
         self.sinks.write({"kind": "summary", **summary}, console=False)
         log.info("summary: %s", ", ".join(f"epoch {e['epoch']}: {e['batches']} batches" for e in h.epochs))
-        log.info("summary: %d samples, %d tokens; this process %.1fs (%.0f tok/s); final loss %.3f; accuracy by "
-                 "position %s; expected acceptance length %.2f", t.samples, t.tokens, elapsed, summary["tok_per_s"],
-                 p.loss, " ".join(f"{a:.2f}" for a in p.acc), p.accept_len)
+        log.info("summary: %d samples, %d tokens; this process %.1fs (%.0f tok/s); %s: loss %.3f, accuracy by "
+                 "position %s, expected acceptance length %.2f", t.samples, t.tokens, elapsed, summary["tok_per_s"],
+                 last["window"], last["loss"], " ".join(f"{a:.2f}" for a in last["acc"]), last["accept_len"])
         log.info("summary: checkpoint %s; export %s", checkpoint, exported)
         return summary
 
@@ -280,9 +295,25 @@ class Reporter(NullReporter):
 
 
 def evaluates(cfg) -> bool:
-    """Whether rank 0 measures tau in the run: synthetic data (a held-out split) and the whole target
-    on rank 0 (a tensor-parallel run holds only its head there)."""
-    return cfg.train.eval_prompts > 0 and not cfg.data.path and cfg.model.target.tensor_parallel == 1
+    """Whether rank 0 measures tau in the run (config.measures_tau: then it holds the whole target)."""
+    return measures_tau(cfg)
+
+
+def epoch_means(t: Totals) -> dict:
+    """An epoch's loss (weighted, as the objective normalises it), accuracy per block slot k >= 1 and
+    teacher-forced acceptance estimate, pooled over its steps."""
+    return {"steps": t.steps, "loss": t.loss_sum / t.weight_sum if t.weight_sum else float("nan"),
+            "acc": t.accuracy(), "accept_len": t.accept_sum / t.blocks if t.blocks else float("nan")}
+
+
+def final_window(epochs: list[dict], p: Progress) -> dict:
+    """What the summary calls final: the last epoch's means (a checkpoint of an older version lacks them:
+    then the last step's figures, said so)."""
+    e = epochs[-1] if epochs else {}
+    if "acc" in e:
+        return {"window": f"mean of epoch {e['epoch']} ({e['steps']} steps)", "loss": e["loss"], "acc": e["acc"],
+                "accept_len": e["accept_len"]}
+    return {"window": "last step", "loss": p.loss, "acc": list(p.acc), "accept_len": p.accept_len}
 
 
 def make_reporter(run: RunSetup, state: TrainState, total_steps: int) -> NullReporter:

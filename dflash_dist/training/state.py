@@ -65,6 +65,7 @@ class Totals:
 class History:
     epochs: list = field(default_factory=list)  # {"epoch", "batches", "time_s", "loss"} per finished epoch
     tau_untrained: dict | None = None
+    taus: list = field(default_factory=list)  # every tau measured in the run, with its step
     wandb_id: str | None = None
     train_time_s: float = 0.0  # training seconds of earlier processes of this run
     # Role timings of earlier processes (seconds, summed over ranks of the role).

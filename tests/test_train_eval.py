@@ -1,0 +1,89 @@
+"""tau measured during training on prepared data (issue 27 item 2): rank 0 holds the whole target and
+decodes train.eval_bench every train.eval_every_steps steps and at the end; the other drafter keeps the
+head only. And the summary's final figures are the last epoch's means (issue 27 item 8)."""
+import json
+import math
+import re
+
+import numpy as np
+import pytest
+
+from dflash_dist.training.state import Totals
+from dflash_dist.training.stats import StepStats
+from helpers import metrics, torchrun
+
+import transformers  # the `hf` extra; `dev` (what the tests install) includes it
+
+SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False)
+
+
+def _prepared(tmp_path):
+    import torch
+    from dflash_dist.config import load_config
+    from dflash_dist.data.disk import write_dataset
+    from dflash_dist.data.synthetic import synthetic_dataset
+    torch.manual_seed(0)
+    model_dir = tmp_path / "target"
+    transformers.AutoModelForCausalLM.from_config(transformers.Qwen3Config(**SHAPE)).save_pretrained(model_dir)
+    syn = load_config(None, ["data.synthetic.num_samples=96", "data.synthetic.min_len=20",
+                             "data.synthetic.max_len=80"]).data.synthetic
+    data = write_dataset(tmp_path / "prepared", synthetic_dataset(syn, SHAPE["vocab_size"]))
+    bench = tmp_path / "heldout.jsonl"
+    rng = np.random.default_rng(1)
+    bench.write_text("".join(json.dumps(rng.integers(0, 128, 10).tolist()) + "\n" for _ in range(3)))
+    return model_dir, data, bench
+
+
+@pytest.mark.slow
+def test_tau_every_n_steps_on_prepared_data_reaches_metrics_summary_and_card(tmp_path):
+    model_dir, data, bench = _prepared(tmp_path)
+    run_dir = tmp_path / "run"
+    res = torchrun(3, ["model.target.kind=hf", f"model.target.path={model_dir}", "model.draft.target_layer_ids=[0,1,2]",
+                       f"data.path={data}", "roles.drafters_per_node=2", "train.epochs=2",
+                       f"train.eval_bench={bench}", "train.eval_prompts=3", "train.eval_new_tokens=6",
+                       "train.eval_every_steps=2", "monitor.interval_s=0.05"], run_dir, timeout=300)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    # Rank 0 decodes with the whole target; the other drafter holds only the embedding and LM head.
+    assert re.search(r"\[rank1 drafter\] dflash_dist.models.head: drafter head from", out), out[-3000:]
+    assert not re.search(r"\[rank0 drafter\] dflash_dist.models.head: drafter head from", out), out[-3000:]
+    recs = metrics(run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    taus = [r for r in recs if r.get("kind") == "tau"]
+    steps = summary["steps"]
+    want = [0] + list(range(2, steps, 2)) + [steps]
+    assert [r["step"] for r in taus] == want, (taus, steps)
+    assert all(r["prompt_set"] == "heldout" and r["num_prompts"] == 3 and r["tau"] >= 1.0 for r in taus)
+    assert [t["step"] for t in summary["tau_during_training"]] == want
+    assert summary["tau_trained"]["tau"] == taus[-1]["tau"] and summary["tau_untrained"]["step"] == 0
+    # The monitor's line carries the last measurement.
+    assert re.search(r"tau \d\.\d\d \(step [1-9]\d*\)", out), out[-3000:]
+    card = (run_dir / "export" / "README.md").read_text()
+    assert f"| tau at the end of training | {taus[-1]['tau']:.3f} on heldout |" in card
+    # final_*: the last epoch's means, not the last step's figures.
+    assert summary["final_window"] == f"mean of epoch 2 ({summary['epochs'][-1]['steps']} steps)"
+    assert summary["final_loss"] == summary["epochs"][-1]["loss"] != summary["last_step_loss"]
+
+
+def _step(loss_sum, weight, correct, valid, accept, blocks):
+    import torch
+    s = StepStats(3, loss_sum=loss_sum, weight_sum=weight, accept_sum=accept, blocks=blocks)
+    s.correct, s.valid = torch.tensor(correct, dtype=torch.float64), torch.tensor(valid, dtype=torch.float64)
+    return s
+
+
+def test_the_summary_final_figures_are_the_last_epochs_means():
+    from dflash_dist.observe.monitor import Progress
+    from dflash_dist.roles.reporter import epoch_means, final_window
+    t = Totals()
+    for s in (_step(8.0, 2.0, [0, 1, 0], [0, 2, 2], 3.0, 2), _step(1.0, 1.0, [0, 2, 1], [0, 2, 2], 5.0, 2)):
+        t.add(s)
+        t.steps += 1
+    mean = epoch_means(t)
+    assert mean == {"steps": 2, "loss": 3.0, "acc": [0.75, 0.25], "accept_len": 2.0}  # pooled, not averaged
+    p = Progress(num_epochs=1, epoch_counts=[2], loss=1.0, acc=[1.0, 0.5], accept_len=2.5)  # the last step
+    last = final_window([{"epoch": 1, **mean}], p)
+    assert last == {"window": "mean of epoch 1 (2 steps)", "loss": 3.0, "acc": [0.75, 0.25], "accept_len": 2.0}
+    old = final_window([{"epoch": 1, "loss": 1.0}], p)  # a checkpoint's history of an older version
+    assert old["window"] == "last step" and old["loss"] == 1.0 and math.isfinite(old["accept_len"])
