@@ -223,7 +223,7 @@ def test_a_deeply_nested_or_surrogate_line_is_a_counted_skip_with_its_line_numbe
     n = len(lines)
     assert meta["num_samples"] == 3 and meta["made_by"]["input_lines"] == n + 3
     assert {k: v for k, v in meta["skipped"].items() if v} == dict(expected, bad_json=2, bad_text=2)
-    assert re.search(rf"chat\.jsonl:{n + 1}: skipped \(bad_json\): bad JSON: RecursionError", caplog.text)
+    assert re.search(rf"chat\.jsonl:{n + 1}: skipped \(bad_json\): not valid JSON: RecursionError", caplog.text)
     assert f"chat.jsonl:{n + 2}: skipped (bad_text): message 0: not valid Unicode text (surrogates not allowed" \
         in caplog.text
     assert f"chat.jsonl:{n + 3}: skipped (bad_text): message 1:" in caplog.text
@@ -235,10 +235,10 @@ def test_any_other_error_one_line_raises_is_a_counted_skip_too(tok_dir, tmp_path
     import dflash_dist.data.prepare as prep
     real = prep.encode
 
-    def flaky(tok, messages, opts, eot):
+    def flaky(tok, messages, opts, eot, notes=None):
         if "poison" in messages[-1]["content"]:
             raise TypeError("TextEncodeInput must be Union[TextInputSequence, ...]")
-        return real(tok, messages, opts, eot)
+        return real(tok, messages, opts, eot, notes)
     monkeypatch.setattr(prep, "encode", flaky)
     lines, expected = corpus_lines()
     src = write_jsonl(tmp_path / "chat.jsonl", lines + [json.dumps(openai([("user", "q"), ("assistant", "poison")]))])

@@ -186,6 +186,20 @@ def test_rerun_with_other_settings_is_refused(engines, target, tmp_path):
     assert (tmp_path / "out.jsonl").read_bytes() == (tmp_path / "whole.jsonl").read_bytes()
 
 
+def test_sampled_vllm_replies_do_not_depend_on_chunking(engines, tmp_path):
+    """A sampled reply's seed is (--seed, its line, its turn), given to vLLM per request: another chunking
+    (so other batches) gives the same output, another --seed another one."""
+    src = write_jsonl(tmp_path / "chats.jsonl", conversations(16, seed=6))
+    spec, engine = engines["vllm"]
+    outs = {}
+    for name, chunk_size, seed in [("a", 4, 3), ("b", 16, 3), ("c", 4, 4)]:
+        j = Job(input=src, output=tmp_path / f"{name}.jsonl", engine=spec, on_length="keep", chunk_size=chunk_size,
+                sampling=Sampling(MAX_NEW, temperature=1.0, top_p=0.9, seed=seed), progress_s=1e9)
+        assert run(j, Shard(), engine) == 0
+        outs[name] = (tmp_path / f"{name}.jsonl").read_bytes()
+    assert outs["a"] == outs["b"] and outs["a"] != outs["c"]
+
+
 def test_thinking_flag_and_past_reasoning_follow_the_template(tok, tmp_path):
     conv = parse_line(1, json.dumps({"messages": [
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": "<think>\nhm\n</think>\n\nyes"},

@@ -4,8 +4,17 @@
         [--max-length N] [--last-turn-only] [--no-reasoning-loss] [--workers N] [--overwrite]
 
 Input lines: OpenAI {"messages": [{"role": "system"|"user"|"assistant", "content": ...}]} or ShareGPT
-{"conversations": [{"from": "system"|"human"|"gpt", "value": ...}]}. Messages after the last
-assistant turn carry no supervision and are dropped.
+{"conversations": [{"from": "system"|"human"|"gpt", "value": ...}]}, read by data.jsonl (the reader
+regeneration and evaluation use: the same skip reasons for the same line). Messages after the last
+assistant turn carry no supervision and are dropped. An assistant message may carry
+  * reasoning_content: passed to the chat template (Qwen3's renders it in a <think> block); a turn whose
+    reasoning the template leaves out is counted in meta.json ("replies");
+  * token_ids (data.regenerate writes them): the ids the target generated. Re-tokenizing the decoded text
+    need not give them back (a model may emit a non-canonical tokenization), so where the template writes
+    the reply verbatim and the ids decode to it, they replace the re-tokenized reply; elsewhere (a template
+    that rewrites the reply) the re-tokenized text is trained and the reply counted as retokenized;
+  * finish_reason "length" (a reply cut at its token limit): supervised without the end-of-turn marker
+    the template writes after it, since the target never ended that turn.
 
 How assistant spans are found (character level, then mapped to tokens):
   * The conversation is rendered once with the tokenizer's chat template; that text is what is
@@ -21,7 +30,8 @@ How assistant spans are found (character level, then mapped to tokens):
   This needs no `{% generation %}` markup in the template (most templates, Qwen3's included, have none)
   and works on the exact text the template produces. A turn it cannot place is a counted skip.
   * --no-reasoning-loss also unmarks every <think>...</think> block (tags and the whitespace after
-    them included; a block opened in the generation prompt runs from the turn start to </think>).
+    them included; a block opened in the generation prompt runs from the turn start to </think>) and
+    the rendered text of a reasoning_content (found by its text, so templates without tags work too).
 
 Samples longer than --max-length are skipped and counted, never truncated; malformed lines are logged
 with their line numbers, skipped and counted. The counts go into meta.json ("skipped").
@@ -29,11 +39,13 @@ with their line numbers, skipped and counted. The counts go into meta.json ("ski
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import logging
 import multiprocessing as mp
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -43,24 +55,15 @@ import numpy as np
 
 from dflash_dist.observe.bars import Bar
 from dflash_dist.data.disk import DatasetWriter
+from dflash_dist.data.jsonl import (CUT, LINE_SKIPS, Skip, numbered_lines, parse_messages,  # noqa: F401
+                                    read_chat_line, template_view)
 
 log = logging.getLogger(__name__)
 
-SKIP_REASONS = ("blank_line", "bad_json", "bad_format", "bad_text", "unknown_role", "empty_conversation",
-                "no_assistant", "template_error", "span_not_found", "no_supervised", "over_length", "unexpected_error")
-SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
-OPENAI_ROLES = {"system", "user", "assistant"}
+SKIP_REASONS = LINE_SKIPS + ("template_error", "span_not_found", "no_supervised", "over_length")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 _PROBE = "\u2063dflash-probe\u2063"  # text no real reply contains
 LOGGED_PER_REASON = 20  # warnings shown per reason; the rest go to DEBUG (the counts stay exact)
-
-
-class Skip(Exception):
-    """This line yields no sample: `reason` is one of SKIP_REASONS."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -68,51 +71,6 @@ class Options:
     max_length: int = 0  # 0 = no limit
     last_turn_only: bool = False
     no_reasoning_loss: bool = False
-
-
-# ----------------------------------------------------------------------------------- parsing
-
-def _text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        text = content
-    # OpenAI content parts: [{"type": "text", "text": ...}, ...]
-    elif isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                           and isinstance(p.get("text"), str) for p in content):
-        text = "".join(p["text"] for p in content)
-    else:
-        raise Skip("bad_format", f"{where}: content must be a string or a list of text parts")
-    try:  # JSON's \ud800 escapes decode to lone surrogates, which no tokenizer (nor UTF-8) takes
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise Skip("bad_text", f"{where}: not valid Unicode text ({exc.reason} at character {exc.start})") from exc
-    return text
-
-
-def parse_messages(obj: Any) -> list[dict[str, str]]:
-    """Normalise one JSON line to [{"role", "content"}], cut after the last assistant turn."""
-    if not isinstance(obj, dict):
-        raise Skip("bad_format", "expected a JSON object")
-    if "messages" in obj:
-        raw, role_key, text_key, roles = obj["messages"], "role", "content", {r: r for r in OPENAI_ROLES}
-    elif "conversations" in obj:
-        raw, role_key, text_key, roles = obj["conversations"], "from", "value", SHAREGPT_ROLES
-    else:
-        raise Skip("bad_format", "neither 'messages' (OpenAI) nor 'conversations' (ShareGPT) key")
-    if not isinstance(raw, list):
-        raise Skip("bad_format", "the conversation must be a list")
-    if not raw:
-        raise Skip("empty_conversation", "empty conversation")
-    messages = []
-    for i, m in enumerate(raw):
-        if not isinstance(m, dict) or role_key not in m or text_key not in m:
-            raise Skip("bad_format", f"message {i}: expected an object with '{role_key}' and '{text_key}'")
-        if m[role_key] not in roles:
-            raise Skip("unknown_role", f"message {i}: unknown role {m[role_key]!r} (expected one of {sorted(roles)})")
-        messages.append({"role": roles[m[role_key]], "content": _text(m[text_key], f"message {i}")})
-    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
-    if last < 0:
-        raise Skip("no_assistant", "no assistant turn")
-    return messages[:last + 1]
 
 
 # ----------------------------------------------------------------------------------- spans
@@ -129,8 +87,8 @@ def end_of_turn_marker(tokenizer) -> str:
 
 
 def assistant_spans(render, messages: list[dict[str, str]], full: str, eot: str,
-                    last_turn_only: bool) -> list[tuple[int, int]]:
-    """Character spans [start, end) of the supervised assistant turns in `full`."""
+                    last_turn_only: bool) -> list[tuple[int, int, int]]:
+    """(message index, start, end): character spans [start, end) of the supervised assistant turns in `full`."""
     turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
     if last_turn_only:
         turns = turns[-1:]
@@ -149,8 +107,19 @@ def assistant_spans(render, messages: list[dict[str, str]], full: str, eot: str,
             if j < 0:
                 raise Skip("span_not_found", f"message {k}: cannot find the end of this assistant turn")
             end = j + len(eot)
-        spans.append((start, max(start, end)))
+        spans.append((k, start, max(start, end)))
     return spans
+
+
+def cut_span_end(full: str, start: int, end: int, content: str, eot: str) -> int:
+    """Where the supervision of a reply cut at its token limit ends: after its content, before the
+    end-of-turn marker the template writes (the target never ended that turn, so no label may say it did)."""
+    p = full.find(content, start, end) if content else -1
+    if p >= 0:
+        return p + len(content)
+    if eot and full.endswith(eot, start, end):  # the template rewrote the reply: cut the marker alone
+        return end - len(eot)
+    return end
 
 
 def reasoning_blocks(text: str, start: int, end: int) -> list[tuple[int, int]]:
@@ -171,35 +140,93 @@ def reasoning_blocks(text: str, start: int, end: int) -> list[tuple[int, int]]:
     return blocks
 
 
+def reasoning_field(text: str, start: int, end: int, message: dict) -> tuple[int, int] | None:
+    """Where the template rendered the message's reasoning_content inside [start, end), or None (the
+    template left it out, e.g. Qwen3 for turns before the last user message). Templates strip its
+    surrounding newlines (Qwen3 does), so the stripped text is searched."""
+    reasoning = message.get("reasoning_content", "").strip()
+    p = text.find(reasoning, start, end) if reasoning else -1
+    return (p, p + len(reasoning)) if p >= 0 else None
+
+
 # ----------------------------------------------------------------------------------- one sample
 
-def encode(tokenizer, messages: list[dict[str, str]], opts: Options, eot: str) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids (uint32) and loss mask (uint8) of one conversation."""
+def _char_mask(full: str, spans, messages: list[dict], opts: Options, eot: str, notes: Counter) -> np.ndarray:
+    """True on every supervised character of `full`."""
+    char_mask = np.zeros(len(full) + 1, dtype=bool)  # +1: zero-width tokens at the very end read False
+    for k, a, b in spans:
+        m = messages[k]
+        if m.get("finish_reason") == CUT:
+            b = cut_span_end(full, a, b, m["content"], eot)
+            notes["cut_replies"] += 1
+        char_mask[a:b] = True
+        field = reasoning_field(full, a, b, m)
+        if m.get("reasoning_content", "").strip() and field is None:
+            notes["reasoning_content_not_rendered"] += 1
+        if opts.no_reasoning_loss:
+            for r0, r1 in reasoning_blocks(full, a, b) + ([field] if field else []):
+                char_mask[r0:r1] = False
+    return char_mask
+
+
+def _splice_target_ids(tokenizer, full: str, spans, messages: list[dict], ids: list[int], starts: list[int],
+                       ends: list[int], char_mask: np.ndarray, notes: Counter) -> tuple[list[int], np.ndarray]:
+    """Token ids and mask with each reply's `token_ids` (what the target generated) in place of the
+    re-tokenized reply text, where the template wrote the reply verbatim and the ids decode to it.
+    Re-tokenizing text need not give the ids it was decoded from (a model may emit a non-canonical
+    tokenization); a reply the template rewrote keeps the re-tokenized text, counted."""
+    mask = char_mask[np.asarray(starts, dtype=np.int64)]
+    for k, a, b in sorted(spans, key=lambda s: -s[1]):  # from the end: earlier token indices stay valid
+        m = messages[k]
+        if "token_ids" not in m or not m["content"]:
+            continue
+        notes["token_ids.replies"] += 1
+        p = full.find(m["content"], a, b)
+        q = p + len(m["content"])
+        i0, i1 = bisect.bisect_left(starts, p), bisect.bisect_left(starts, q)
+        if p >= 0 and ids[i0:i1] == m["token_ids"]:
+            notes["token_ids.same"] += 1
+            continue
+        aligned = p >= 0 and i0 < i1 and starts[i0] == p and (i0 == 0 or ends[i0 - 1] <= p) and ends[i1 - 1] <= q
+        if not aligned or tokenizer.decode(m["token_ids"], skip_special_tokens=False) != m["content"]:
+            notes["token_ids.retokenized"] += 1
+            continue
+        # Each target id's first character, for the mask (reasoning blocks may be unmarked inside a reply).
+        offs = [p + len(tokenizer.decode(m["token_ids"][:j], skip_special_tokens=False))
+                for j in range(len(m["token_ids"]))]
+        ids = ids[:i0] + list(m["token_ids"]) + ids[i1:]
+        mask = np.concatenate([mask[:i0], char_mask[np.minimum(offs, q - 1)], mask[i1:]])
+        notes["token_ids.spliced"] += 1
+    return ids, mask
+
+
+def encode(tokenizer, messages: list[dict], opts: Options, eot: str,
+           notes: Counter | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids (uint32) and loss mask (uint8) of one conversation; `notes` counts what was done to its
+    replies (cut, target ids spliced or re-tokenized, reasoning left out by the template)."""
+    notes = Counter() if notes is None else notes
+    view = template_view(messages)
+
     def render(msgs, generation_prompt):
         return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
 
     try:
-        full = render(messages, False)
-        spans = assistant_spans(render, messages, full, eot, opts.last_turn_only)
+        full = render(view, False)
+        spans = assistant_spans(render, view, full, eot, opts.last_turn_only)
     except Skip:
         raise
     except Exception as exc:  # jinja raises on templates' own checks (e.g. "roles must alternate")
         raise Skip("template_error", f"chat template failed: {type(exc).__name__}: {exc}") from exc
-    char_mask = np.zeros(len(full) + 1, dtype=bool)  # +1: zero-width tokens at the very end read False
-    for a, b in spans:
-        char_mask[a:b] = True
-        if opts.no_reasoning_loss:
-            for r0, r1 in reasoning_blocks(full, a, b):
-                char_mask[r0:r1] = False
+    char_mask = _char_mask(full, spans, messages, opts, eot, notes)
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    ids = np.asarray(enc["input_ids"], dtype=np.uint32)
-    starts = np.fromiter((s for s, _ in enc["offset_mapping"]), dtype=np.int64, count=len(ids))
-    mask = char_mask[starts].astype(np.uint8)
+    ids, mask = _splice_target_ids(tokenizer, full, spans, messages, list(enc["input_ids"]),
+                                   [s for s, _ in enc["offset_mapping"]], [e for _, e in enc["offset_mapping"]],
+                                   char_mask, notes)
     if opts.max_length and len(ids) > opts.max_length:
         raise Skip("over_length", f"{len(ids)} tokens > --max-length {opts.max_length}")
     if not mask.any():
         raise Skip("no_supervised", "no supervised token")
-    return ids, mask
+    return np.asarray(ids, dtype=np.uint32), mask.astype(np.uint8)
 
 
 # ----------------------------------------------------------------------------------- workers
@@ -213,17 +240,13 @@ def _init_worker(tokenizer_dir: str, opts: Options) -> None:
 
 
 def _process(item: tuple[int, bytes]) -> tuple[int, str | None, Any]:
-    """(line number, None, (ids, mask)) for a sample, (line number, reason, message) for a skip."""
+    """(line number, None, (ids, mask, notes)) for a sample, (line number, reason, message) for a skip."""
     line_no, raw = item
     try:
-        if not raw.strip():
-            raise Skip("blank_line", "blank line")
-        try:
-            obj = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
-            raise Skip("bad_json", f"bad JSON: {type(exc).__name__}: {exc}") from exc
-        messages = parse_messages(obj)
-        return line_no, None, encode(_worker["tokenizer"], messages, _worker["opts"], _worker["eot"])
+        _, messages = read_chat_line(raw)
+        notes: Counter = Counter()
+        ids, mask = encode(_worker["tokenizer"], messages, _worker["opts"], _worker["eot"], notes)
+        return line_no, None, (ids, mask, notes)
     except Skip as skip:
         return line_no, skip.reason, str(skip)
     except Exception as exc:  # whatever else one line makes the tokenizer raise costs that line, not the run
@@ -246,12 +269,11 @@ def load_tokenizer(path: str):
 def _blocks(path: Path, size: int) -> Iterator[list[tuple[int, bytes]]]:
     """Numbered lines, `size` at a time, so memory stays bounded whatever the file size."""
     block: list[tuple[int, bytes]] = []
-    with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            block.append((line_no, raw))
-            if len(block) == size:
-                yield block
-                block = []
+    for line_no, raw in numbered_lines(path):
+        block.append((line_no, raw))
+        if len(block) == size:
+            yield block
+            block = []
     if block:
         yield block
 
@@ -268,6 +290,7 @@ def prepare(tokenizer_dir: str, input_path: str, output_dir: str, opts: Options,
         raise FileExistsError(f"{output_dir} already exists (pass --overwrite to replace it)")
     tok = load_tokenizer(tokenizer_dir)
     skipped = dict.fromkeys(SKIP_REASONS, 0)
+    replies: Counter = Counter()
     kept = lines = 0
     total_bytes = max(src.stat().st_size, 1)
     t0 = time.monotonic()
@@ -287,7 +310,8 @@ def prepare(tokenizer_dir: str, input_path: str, output_dir: str, opts: Options,
                 for line_no, reason, payload in results:
                     lines += 1
                     if reason is None:
-                        writer.add(*payload)
+                        writer.add(*payload[:2])
+                        replies.update(payload[2])
                         kept += 1
                         continue
                     skipped[reason] += 1
@@ -304,15 +328,18 @@ def prepare(tokenizer_dir: str, input_path: str, output_dir: str, opts: Options,
                 "tokenizer_name": getattr(tok, "name_or_path", ""),
                 "max_length": opts.max_length or None,
                 "skipped": skipped,
+                "replies": reply_notes(replies),
                 "made_by": {
                     "tool": "dflash_dist.data.prepare",
                     "input": str(src.absolute()),
                     "input_lines": lines,
                     "options": asdict(opts),
                     "end_of_turn_marker": end_of_turn_marker(tok),
-                    "supervision": "assistant content + end-of-turn marker; generation prompt and trailing "
-                                   "whitespace excluded" + ("; <think> blocks excluded" if opts.no_reasoning_loss
-                                                            else ""),
+                    "supervision": "assistant content + end-of-turn marker (none after a reply cut at its "
+                                   "token limit); generation prompt and trailing whitespace excluded; a reply's "
+                                   "token_ids replace its re-tokenized text" + (
+                                       "; <think> blocks and reasoning_content excluded" if opts.no_reasoning_loss
+                                       else ""),
                     "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 },
             }
@@ -323,10 +350,26 @@ def prepare(tokenizer_dir: str, input_path: str, output_dir: str, opts: Options,
             pool.join()
     meta.update(num_samples=writer.num_samples, num_tokens=writer.num_tokens,
                 num_supervised_tokens=writer.num_supervised, vocab_size=writer.vocab_size)
-    log.info("prepare: %d lines -> %d samples, %d tokens (%d supervised) in %.1f s; skipped %s", lines, kept,
-             writer.num_tokens, writer.num_supervised, time.monotonic() - t0,
-             {k: v for k, v in skipped.items() if v})
+    log.info("prepare: %d lines -> %d samples, %d tokens (%d supervised) in %.1f s; skipped %s; replies %s",
+             lines, kept, writer.num_tokens, writer.num_supervised, time.monotonic() - t0,
+             {k: v for k, v in skipped.items() if v}, meta["replies"])
+    if meta["replies"]["token_ids_retokenized"]:
+        log.warning("%d replies carry token_ids the chat template does not write verbatim (it rewrote the reply, "
+                    "or the ids are another tokenizer's): their re-tokenized text was trained instead",
+                    meta["replies"]["token_ids_retokenized"])
+    if meta["replies"]["reasoning_content_not_rendered"]:
+        log.warning("%d assistant turns have a reasoning_content the chat template did not render (not trained)",
+                    meta["replies"]["reasoning_content_not_rendered"])
     return meta
+
+
+REPLY_NOTES = ("cut_replies", "token_ids.replies", "token_ids.same", "token_ids.spliced", "token_ids.retokenized",
+               "reasoning_content_not_rendered")
+
+
+def reply_notes(counts: Counter) -> dict[str, int]:
+    """meta.json's "replies": every count, zeros included, so a reader need not guess what was checked."""
+    return {k.replace(".", "_"): int(counts.get(k, 0)) for k in REPLY_NOTES}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -337,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output", required=True, help="dataset directory to create")
     ap.add_argument("--max-length", type=int, default=0, help="skip (and count) samples with more tokens")
     ap.add_argument("--last-turn-only", action="store_true", help="supervise only the last assistant turn")
-    ap.add_argument("--no-reasoning-loss", action="store_true", help="leave <think> blocks out of the loss")
+    ap.add_argument("--no-reasoning-loss", action="store_true",
+                    help="leave <think> blocks and rendered reasoning_content out of the loss")
     ap.add_argument("--workers", type=int, default=1, help="tokenizing processes")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     args = ap.parse_args(argv)

@@ -10,7 +10,9 @@ A NAME (gsm8k, math500, humaneval, mbpp, mt-bench) is the public set, with the p
 published benchmark (dflash/benchmark.py in github.com/z-lab/dflash), loaded by the Hugging Face
 `datasets` library and cached as BENCH_DIR/NAME.jsonl in the conversation format; where `datasets` is
 missing or the Hub unreachable, the error names the file to provide instead.
-Every bad input is an `EvalInputError` naming the file and line (the command exits 2).
+Every bad input is an `EvalInputError` naming the file and line (the command exits 2). Lines are read
+by data.jsonl, the reader prepare and regeneration use: split on "\n" alone (a raw U+2028 inside a
+JSON string is text, not a line end), numbered exactly, a bad line named with the same reason.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from dflash_dist.data.jsonl import Skip, check_text, decode_line, numbered_lines
 
 
 class EvalInputError(ValueError):
@@ -55,7 +59,10 @@ def _item(raw, where: str) -> tuple[str, list]:
         turns = raw["turns"]
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
             raise EvalInputError(f"{where}: \"turns\" must be a non-empty list of non-empty strings")
-        return "turns", list(turns)
+        try:
+            return "turns", [check_text(t, f"turn {i + 1}") for i, t in enumerate(turns)]
+        except Skip as skip:
+            raise EvalInputError(f"{where}: {skip.reason}: {skip}") from skip
     if isinstance(raw, dict):
         raw = raw.get("input_ids", raw.get("prompt_ids"))
     if isinstance(raw, list) and raw and all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
@@ -67,27 +74,30 @@ def _item(raw, where: str) -> tuple[str, list]:
 def read_prompt_file(path: str | Path, name: str | None = None) -> PromptSet:
     """One JSONL file (module docstring); one kind per file. Empty lines are allowed, an empty file is not."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise EvalInputError(f"{path}: cannot read the prompt file ({exc})") from exc
     pset = PromptSet(name or path.stem, str(path), "")
-    for k, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            raw = json.loads(line)
-        except (json.JSONDecodeError, RecursionError) as exc:
-            raise EvalInputError(f"{path}:{k}: not valid JSON ({exc})") from exc
-        kind, prompt = _item(raw, f"{path}:{k}")
-        if pset.kind and kind != pset.kind:
-            raise EvalInputError(f"{path}:{k}: a {kind} line in a file of {pset.kind} prompts (one kind per file)")
-        pset.kind = kind
-        pset.items.append(prompt)
-        pset.lines.append(k)
+    try:
+        for k, line in numbered_lines(path):
+            try:
+                raw = decode_line(line)
+            except Skip as skip:
+                if skip.reason == "blank_line":
+                    continue
+                raise EvalInputError(f"{path}:{k}: {skip.reason}: {skip}") from skip
+            _add(pset, *_item(raw, f"{path}:{k}"), k)
+    except OSError as exc:
+        raise EvalInputError(f"{path}: cannot read the prompt file ({exc})") from exc
     if not pset.items:
         raise EvalInputError(f"{path}: no prompts in the file")
     return pset
+
+
+def _add(pset: PromptSet, kind: str, prompt: list, k: int) -> None:
+    """Line k's prompt into the set, which holds one kind."""
+    if pset.kind and kind != pset.kind:
+        raise EvalInputError(f"{pset.source}:{k}: a {kind} line in a file of {pset.kind} prompts (one kind per file)")
+    pset.kind = kind
+    pset.items.append(prompt)
+    pset.lines.append(k)
 
 
 # Public sets and the wording z-lab's benchmark sends (dflash/benchmark.py, github.com/z-lab/dflash):

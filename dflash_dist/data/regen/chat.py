@@ -2,20 +2,30 @@
 k with the target's chat template, and writing the target's reply back into the line's own schema.
 
 The line is kept as parsed (OpenAI `messages` or ShareGPT `conversations`, any extra keys included):
-only the text of its assistant turns changes, so the output is read by `data.prepare` exactly as the
-input was. Messages after the last assistant turn are left as they are (prepare drops them).
+only its assistant turns change, so the output is read by `data.prepare` exactly as the input was.
+Each regenerated assistant message gets the target's reply as its text, `token_ids` (the ids the target
+generated, its end token left out: prepare trains on them rather than on the re-tokenized text) and
+`finish_reason` ("stop", or "length" for a reply cut at its token limit, which prepare supervises
+without an end of turn). The old model's `reasoning_content` is dropped: the target's reply carries its
+own reasoning as it wrote it (e.g. a <think> block), and keeping the old one would pair another model's
+reasoning with this reply. Messages after the last assistant turn are left as they are (prepare drops them).
 """
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash_dist.data.prepare import Skip, end_of_turn_marker, parse_messages
+from dflash_dist.data.jsonl import CUT, LINE_SKIPS, Skip, read_chat_line, template_view
+from dflash_dist.data.prepare import end_of_turn_marker
 
-# Every reason a line yields no output line; the counts go to the log and to the meta file.
-SKIP_REASONS = ("blank_line", "bad_json", "bad_format", "unknown_role", "empty_conversation", "no_assistant",
-                "template_error", "over_context", "cut")
+log = logging.getLogger(__name__)
+
+# Every reason a line yields no output line, the reader's first (data.jsonl: the same as prepare's for
+# the same line); the counts go to the log and to the meta file.
+SKIP_REASONS = LINE_SKIPS + ("template_error", "over_context", "cut")
+_dropped_logged = False
 
 
 @dataclass
@@ -28,29 +38,39 @@ class Conversation:
     turns: list[int] = field(default_factory=list)  # indices of the assistant messages, in order
     cut_turns: int = 0  # replies that reached the token limit (kept under --on-length keep)
     new_tokens: int = 0
+    reasoning_dropped: int = 0  # the input's reasoning_content fields removed from regenerated turns
 
     @property
     def raw_messages(self) -> list[dict]:
         return self.obj["messages"] if "messages" in self.obj else self.obj["conversations"]
 
-    def set_reply(self, k: int, text: str) -> None:
-        """Assistant message k now says `text`, in the normalised view and in the line itself."""
-        self.messages[k] = {"role": "assistant", "content": text}
-        self.raw_messages[k]["content" if "messages" in self.obj else "value"] = text
+    def set_reply(self, k: int, text: str, ids: list[int], stopped: bool) -> None:
+        """Assistant message k is now the target's reply (`text`, decoded from `ids`), in the normalised
+        view and in the line itself; the old reasoning_content goes (module docstring)."""
+        finish = "stop" if stopped else CUT
+        self.messages[k] = {"role": "assistant", "content": text, "token_ids": list(ids), "finish_reason": finish}
+        raw = self.raw_messages[k]
+        if raw.pop("reasoning_content", None) is not None:
+            self.reasoning_dropped += 1
+            _log_dropped_once()
+        raw.update({"content" if "messages" in self.obj else "value": text, "token_ids": list(ids),
+                    "finish_reason": finish})
 
     def to_line(self) -> str:
         return json.dumps(self.obj, ensure_ascii=False)
 
 
+def _log_dropped_once() -> None:
+    global _dropped_logged
+    if not _dropped_logged:
+        _dropped_logged = True
+        log.info("the input's reasoning_content is dropped from every regenerated turn: the target's reply carries "
+                 "its own reasoning (counted as reasoning_content_dropped in the meta file)")
+
+
 def parse_line(line_no: int, raw: bytes | str) -> Conversation:
-    """A Conversation, or Skip(reason) naming what is wrong with the line."""
-    if not raw.strip():
-        raise Skip("blank_line", "blank line")
-    try:
-        obj = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise Skip("bad_json", f"bad JSON: {exc}") from exc
-    messages = parse_messages(obj)  # validates every message; index i is the line's message i
+    """A Conversation, or Skip(reason) naming what is wrong with the line (data.jsonl reads it)."""
+    obj, messages = read_chat_line(raw)  # validates every message; index i is the line's message i
     turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
     return Conversation(line_no=line_no, obj=obj, messages=messages, turns=turns)
 
@@ -68,7 +88,8 @@ class ChatRenderer:
         """Token ids of messages[:k] rendered with the generation prompt: what the target sees before
         it writes assistant turn k (the earlier assistant turns are already its own)."""
         try:
-            text = self.tok.apply_chat_template(conv.messages[:k], tokenize=False, add_generation_prompt=True,
+            text = self.tok.apply_chat_template(template_view(conv.messages[:k]), tokenize=False,
+                                                add_generation_prompt=True,
                                                 **self.template_kwargs)
         except Exception as exc:  # jinja raises on templates' own checks (e.g. "roles must alternate")
             raise Skip("template_error", f"chat template failed: {type(exc).__name__}: {exc}") from exc
