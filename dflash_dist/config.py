@@ -140,6 +140,11 @@ class ObjectiveConfig:
     # weights (every trained (token, slot) of a step counts the same, as SpecForge does); batch: the mean
     # over the step's batches of each batch's own weighted mean.
     loss_norm: str = "step"
+    # gamma: the fixed decay exp(-(k-1)/gamma) per block slot k; dpace: D-PACE (arXiv 2605.18810), each
+    # block's weights from the drafter's own confidences (training/objective.py), the summed loss then
+    # divided by the step's (or batch's) number of blocks instead of its weight sum. Hard labels only.
+    position_weights: str = "gamma"
+    dpace_alpha: float = num(0.5, gt=0, le=1)  # D-PACE's confidence smoothing (1 - a) * q + a (the paper's 0.5)
 
 
 @dataclass
@@ -228,6 +233,7 @@ _CHOICES = {
     "roles.drafter_sharding": ("ddp", "fsdp"),
     "objective.labels": ("data", "target_argmax", "target_soft"),
     "objective.loss_norm": ("step", "batch"),
+    "objective.position_weights": ("gamma", "dpace"),
     "transport.dtype": ("auto", "float32", "bfloat16", "float16"),
     "dist.backend": ("auto", "gloo", "nccl"),
     "wandb.mode": ("online", "offline", "disabled"),
@@ -304,6 +310,9 @@ def validate(cfg: Config) -> None:
             and cfg.objective.soft_top_k > cfg.model.target.vocab_size:
         raise ConfigError(f"config key 'objective.soft_top_k': {cfg.objective.soft_top_k} exceeds the target's "
                           f"vocabulary ({cfg.model.target.vocab_size})")
+    if cfg.objective.position_weights == "dpace" and cfg.objective.labels == "target_soft":
+        raise ConfigError("config key 'objective.position_weights': dpace needs hard labels (objective.labels=data "
+                          "or target_argmax): its confidence is the drafter's probability of the one label token")
     if cfg.train.sync_every < cfg.transport.max_in_flight:
         raise ConfigError("config key 'train.sync_every': must be >= transport.max_in_flight "
                           f"({cfg.train.sync_every} < {cfg.transport.max_in_flight})")

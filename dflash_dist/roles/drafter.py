@@ -25,7 +25,7 @@ from dflash_dist.config import loss_gamma
 from dflash_dist.data.collate import collate, warm_up_batch
 from dflash_dist.models import attention
 from dflash_dist.models.build import build_drafter
-from dflash_dist.training.objective import anchor_generator, draw_anchors
+from dflash_dist.training.objective import anchor_generator, draw_anchors, loss_denominator
 from dflash_dist.plan.epochs import BatchPlan, epoch_plan, plan_digest
 from dflash_dist.roles.reporter import evaluates, make_reporter
 from dflash_dist.training.setup import RoleResult, RunSetup
@@ -125,6 +125,7 @@ class Drafter:
         self.pool = RecvPool() if self.device.type == "cpu" else None  # CUDA: the caching allocator is one
         self.gamma = loss_gamma(cfg.objective)
         self.step_norm = cfg.objective.loss_norm == "step"
+        self.dpace_alpha = cfg.objective.dpace_alpha if cfg.objective.position_weights == "dpace" else None
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" \
             else contextlib.nullcontext()
         self.clock = device_clock(self.device)
@@ -220,8 +221,9 @@ class Drafter:
         stats.wait_s, stats.compute_s = self.wait_s, self.compute_s + self.clock() - t1
         stats.save_due = int(self.reporter.save_due(self.state.totals.steps + 1))
         total = self._reduce(stats)
-        if self.step_norm and total.weight_sum > 0:
-            self.sharding.scale_grads(1.0 / total.weight_sum)  # every trained (token, slot) of the step alike
+        denom = loss_denominator(self.dpace_alpha is not None, total.weight_sum, total.blocks)
+        if self.step_norm and denom > 0:
+            self.sharding.scale_grads(1.0 / denom)  # every trained (token, slot), or block under D-PACE, alike
         self.save_due = total.save_due > 0
         norm = self._optimizer_step(total)
         self.compute_s += self.clock() - t1
@@ -236,7 +238,7 @@ class Drafter:
         m = drafter_step(self.state.model, d, packet.features, packet.target, anchors, anchor_cu, gamma=self.gamma,
                          anchor_chunk=o.anchor_chunk, loss_rows=o.loss_rows, scale=scale,
                          batch_mean=not self.step_norm, autocast=self.autocast,
-                         before_last_chunk=self.sharding.before_last_chunk)
+                         before_last_chunk=self.sharding.before_last_chunk, dpace_alpha=self.dpace_alpha)
         stats.loss_sum, stats.weight_sum = m.loss_sum, m.weight_sum
         stats.accept_sum, stats.blocks = m.accept_sum, m.num_blocks
         stats.tokens, stats.seqs, stats.batches = d.num_tokens, d.num_seqs, 1
@@ -298,7 +300,7 @@ class Drafter:
         feats = torch.zeros(batch.num_tokens, self.packets.feat_dim, dtype=self.packets.dtype, device=self.device)
         drafter_step(self.state.model, batch, feats, None, anchors, anchor_cu, gamma=self.gamma,
                      anchor_chunk=1, scale=scale, autocast=self.autocast,
-                     before_last_chunk=self.sharding.before_last_chunk)
+                     before_last_chunk=self.sharding.before_last_chunk, dpace_alpha=self.dpace_alpha)
 
     def save(self) -> Path | None:
         """Every drafter gathers (a collective under FSDP); rank 0 writes."""

@@ -17,6 +17,7 @@ slots that count and their weights are those of `block_labels` in every mode.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +62,31 @@ def block_labels(input_ids, loss_mask, cu_seqlens, anchors, anchor_cu, block_siz
     decay = torch.exp(-(torch.arange(B, device=dev, dtype=torch.float32) - 1) / gamma)
     weights = valid.float() * decay
     return labels, weights
+
+
+@torch.no_grad()
+def dpace_weights(ce: torch.Tensor, trained: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE's position weights (arXiv 2605.18810, Eqs. 7-8) for blocks (A, B): ce the cross-entropy of
+    each slot's label, `trained` the slots that have one. q = exp(-ce) is the drafter's probability of the
+    label, smoothed to q~ = (1 - alpha) q + alpha; a block's surrogate accepted length is
+    sum_m prod_{i<=m} q~_i over its trained slots m, and slot k's weight is that sum's derivative with
+    respect to log q~_k: w_k = sum_{m>=k} prod_{i<=m} q~_i, the chance of reaching k times the length still
+    to gain from there. Untrained slots (slot 0, past the sequence or the loss mask) are a factor 1 in the
+    products, as the reference implementation treats them, and get weight 0. Detached: the weights
+    shape the gradient of -log q_k (Eq. 9) and carry none themselves. Each block's weights depend on that
+    block alone, so anchor chunks and LM-head row chunks leave them unchanged."""
+    smooth = torch.where(trained, (1.0 - alpha) * torch.exp(-ce.float()) + alpha, 1.0)
+    reach = torch.where(trained, torch.cumprod(smooth, dim=1), 0.0)  # prod_{i<=m} q~_i on the trained m
+    return torch.where(trained, reach.flip(1).cumsum(1).flip(1), 0.0)  # sums over m >= k
+
+
+def loss_denominator(dpace: bool, weight_sum, num_blocks):
+    """What a summed weighted loss is divided by. Fixed decay weights: their sum (a weighted mean over the
+    trained slots). D-PACE: the number of blocks (anchors; every anchor has a trained slot 1), not the
+    weight sum: the weights are expected accepted-length credit, which dividing by their sum would cancel
+    (the D-PACE author on SpecForge issue 828; its fix, PR 848, divides by anchors). Summed over all the
+    drafters of a step (loss_norm=step), it is the same on every rank."""
+    return num_blocks if dpace else weight_sum
 
 
 def target_label_width(labels: str, soft_top_k: int) -> int:
@@ -165,39 +191,47 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     skipped when autograd will not need it."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, sel, labels, wts, probs, ids, rows: int, need_grad: bool):
+    def forward(ctx, hidden, weight, sel, labels, wts, probs, ids, rows: int, need_grad: bool, weigh):
         dt = _compute_dtype(hidden)
         flat = hidden.reshape(-1, hidden.shape[-1])
         n = sel.numel()
         pred = torch.empty(n, dtype=torch.long, device=hidden.device)
         grad = torch.empty(n, flat.shape[1], dtype=dt, device=hidden.device) if need_grad else None
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        ce = torch.empty(n, dtype=torch.float32, device=hidden.device) if weigh is not None else None
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dt)  # a no-op when the head is already in the compute dtype (bf16 on CUDA)
             for i in range(0, n, rows):
                 j = min(n, i + rows)
                 soft = None if probs is None else (probs[i:j], ids[i:j])
                 loss += _head_chunk(flat[sel[i:j]].to(dt), w, labels[i:j], wts[i:j], soft, pred[i:j],
-                                    grad[i:j] if need_grad else None)
-        ctx.mark_non_differentiable(pred)
+                                    grad[i:j] if need_grad else None, None if ce is None else ce[i:j])
+        used = wts.new_empty(0)  # the weights in effect, when they are not the given ones
+        if weigh is not None:  # weights that need every row's loss first: each row's gradient is linear in its
+            factor = weigh(ce)  # weight, so the chunks' gradients (at weight wts) are scaled now, no recompute
+            used = wts * factor
+            loss = (ce * used).sum()
+            if need_grad:
+                grad.mul_(factor[:, None].to(grad.dtype))
+        ctx.mark_non_differentiable(pred, used)
         if need_grad:
             ctx.save_for_backward(grad, sel)
             ctx.shape, ctx.dtype = hidden.shape, hidden.dtype
-        return loss, pred
+        return loss, pred, used
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_pred):
+    def backward(ctx, grad_loss, _grad_pred, _grad_wts):
         grad, sel = ctx.saved_tensors
         out = torch.zeros(ctx.shape, dtype=ctx.dtype, device=grad.device)
         out.view(-1, ctx.shape[-1]).index_copy_(0, sel, (grad * grad_loss).to(ctx.dtype))
-        return out, None, None, None, None, None, None, None, None
+        return out, None, None, None, None, None, None, None, None, None
 
 
-def _head_chunk(x, w, labels, wts, soft, pred_out, grad_out) -> torch.Tensor:
-    """One row chunk: writes the argmax into pred_out and, if given, d(sum w * ce)/dx into grad_out;
-    returns sum w * ce. The softmax runs in place on the float32 logits (torch.logsumexp would allocate
-    another (r, V)), so they are the only vocabulary-sized tensor besides the compute-dtype matmul
-    output and input; all die when this returns."""
+def _head_chunk(x, w, labels, wts, soft, pred_out, grad_out, ce_out=None) -> torch.Tensor:
+    """One row chunk: writes the argmax into pred_out, if given d(sum w * ce)/dx into grad_out and each
+    row's ce into ce_out; returns sum w * ce. The softmax runs in place on the float32 logits
+    (torch.logsumexp would allocate another (r, V)), so they are the only vocabulary-sized tensor besides
+    the compute-dtype matmul output and input; all die when this returns."""
     z = (x @ w.T).float()  # (r, V)
     at = z.gather(1, labels[:, None] if soft is None else soft[1])  # target logits, before z is overwritten
     top, arg = z.max(dim=-1)
@@ -206,6 +240,8 @@ def _head_chunk(x, w, labels, wts, soft, pred_out, grad_out) -> torch.Tensor:
     total = e.sum(-1)
     logq = at - (top + total.log())[:, None]
     ce = -logq.squeeze(1) if soft is None else -(soft[0] * logq).sum(-1)
+    if ce_out is not None:
+        ce_out.copy_(ce)
     if grad_out is not None:  # d(w * ce)/dz = w * (softmax * sum(p) - p at the target ids), in place
         p = torch.ones_like(at) if soft is None else soft[0]
         g = e.mul_((wts * p.sum(-1) / total)[:, None])
@@ -226,7 +262,8 @@ def _metrics(pred: torch.Tensor, labels: torch.Tensor, loss_sum: torch.Tensor, w
 
 
 def lm_head_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-                 soft: tuple[torch.Tensor, torch.Tensor] | None = None, rows: int = 8192):
+                 soft: tuple[torch.Tensor, torch.Tensor] | None = None, rows: int = 8192,
+                 dpace_alpha: float | None = None):
     """The frozen LM head and the weighted cross-entropy of `dflash_loss`, never more than `rows` rows x V
     logits alive at once (forward and backward).
 
@@ -234,8 +271,11 @@ def lm_head_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.
     labels/weights (A, B) from `block_labels` (or `argmax_block_labels`; for target_soft, the top-1 labels
     of `soft_block_targets`, whose (probs, ids) (A, B, k) are `soft`). Only rows with a label (>= 0) are
     computed. Returns (sum of w * ce as a float32 scalar differentiable w.r.t. hidden, StepMetrics): the sum
-    is not normalised, so that chunks of one batch add up; the caller divides by the batch's weight sum.
-    Logits are a matmul in the compute dtype (autocast's, else hidden's), then float32 for the softmax."""
+    is not normalised, so that chunks of one batch add up; the caller divides by `loss_denominator`.
+    With `dpace_alpha` (hard labels only) each slot's weight is `weights` x its D-PACE weight
+    (`dpace_weights`, from the rows' own cross-entropy, whichever row chunk they fall in); `weights` then
+    is 1 on the trained slots. Logits are a matmul in the compute dtype (autocast's, else hidden's), then
+    float32 for the softmax."""
     if head_weight.requires_grad:
         raise ValueError("lm_head_loss: the LM head must be frozen (its weight requires grad)")
     if rows < 1:
@@ -248,10 +288,23 @@ def lm_head_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.
     if soft is not None:
         k = soft[0].shape[-1]
         probs, ids = soft[0].reshape(-1, k)[sel].float(), soft[1].reshape(-1, k)[sel]
+    weigh = None
+    if dpace_alpha is not None:
+        if soft is not None:
+            raise ValueError("lm_head_loss: D-PACE weights need hard labels (its confidence is the label's probability)")
+        weigh = partial(_dpace_rows, sel=sel, trained=labels >= 0, alpha=dpace_alpha)
     need_grad = torch.is_grad_enabled() and hidden.requires_grad
-    loss, pred_rows = _ChunkedHeadLoss.apply(hidden, head_weight, sel, lab, wts, probs, ids, rows, need_grad)
+    loss, pred_rows, used = _ChunkedHeadLoss.apply(hidden, head_weight, sel, lab, wts, probs, ids, rows, need_grad,
+                                                   weigh)
     with torch.no_grad():
         pred = torch.full((A * B,), -1, dtype=torch.long, device=hidden.device)
         pred[sel] = pred_rows
-        m = _metrics(pred.view(A, B), labels, loss.detach(), weights.sum())
+        m = _metrics(pred.view(A, B), labels, loss.detach(), weights.sum() if weigh is None else used.sum())
     return loss, m
+
+
+def _dpace_rows(ce_rows: torch.Tensor, sel: torch.Tensor, trained: torch.Tensor, alpha: float) -> torch.Tensor:
+    """`dpace_weights` of the selected rows (flat indices `sel` into the (A, B) blocks), from their ce."""
+    ce = torch.zeros(trained.numel(), dtype=torch.float32, device=ce_rows.device)
+    ce[sel] = ce_rows
+    return dpace_weights(ce.view(trained.shape), trained, alpha).reshape(-1)[sel]

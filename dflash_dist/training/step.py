@@ -6,7 +6,7 @@ chunk's draft layers and loss are backwarded as soon as they are computed (their
 context's gradient accumulates in the leaf, and the last chunk's backward takes it through `fc`. With
 `batch_mean` each chunk's loss is divided by the weight sum of the WHOLE batch, so the chunks add up to
 exactly the unchunked loss and gradient; without it the gradient is that of the summed weighted loss, which
-the caller divides by the whole optimizer step's weight sum once it is known (`objective.loss_norm=step`). The LM head and cross-entropy run `loss_rows` rows at a time (`objective.lm_head_loss`).
+the caller divides by the whole optimizer step's weight sum (its block count under D-PACE) once it is known (`objective.loss_norm=step`). The LM head and cross-entropy run `loss_rows` rows at a time (`objective.lm_head_loss`).
 """
 from __future__ import annotations
 
@@ -18,15 +18,18 @@ import torch
 from dflash_dist.data.collate import PackedBatch
 from dflash_dist.models.drafter import DFlashDrafter, anchor_seq_starts
 from dflash_dist.training.objective import (StepMetrics, argmax_block_labels, block_labels, lm_head_loss,
-                                   soft_block_targets)
+                                   loss_denominator, soft_block_targets)
 from dflash_dist.parallel.transport import TargetLabels
 
 
 def batch_targets(batch: PackedBatch, target: TargetLabels | None, anchors, anchor_cu, block_size: int,
-                  gamma: float):
-    """(labels (A, B), weights (A, B), soft (probs, ids) or None) for the objective's label kind."""
+                  gamma: float, dpace: bool = False):
+    """(labels (A, B), weights (A, B), soft (probs, ids) or None) for the objective's label kind. With
+    `dpace` the weights are 1 on every trained slot: D-PACE's, computed with the loss, replace the decay."""
     labels, weights = block_labels(batch.input_ids, batch.loss_mask, batch.cu_seqlens, anchors, anchor_cu,
                                    block_size, gamma)
+    if dpace:
+        weights = (weights > 0).float()
     if target is None:
         return labels, weights, None
     if target.values is None:
@@ -45,10 +48,12 @@ def merge_metrics(parts: list[StepMetrics]) -> StepMetrics:
 def drafter_step(model: DFlashDrafter, batch: PackedBatch, features: torch.Tensor, target: TargetLabels | None,
                  anchors: torch.Tensor, anchor_cu: torch.Tensor, *, gamma: float, anchor_chunk: int = 0,
                  loss_rows: int = 8192, scale: float = 1.0, batch_mean: bool = True, autocast=contextlib.nullcontext(),
-                 before_last_chunk=None) -> StepMetrics:
+                 before_last_chunk=None, dpace_alpha: float | None = None) -> StepMetrics:
     """Forward + backward of one batch; gradients accumulate in the parameters' .grad: those of
-    `scale` x the batch's weighted loss, its mean (sum / the batch's weight sum) with `batch_mean`, else its
-    sum. `before_last_chunk()` runs before the last chunk (FSDP: reduce its gradients in that backward)."""
+    `scale` x the batch's weighted loss, its mean (sum / `loss_denominator`: the batch's weight sum, or
+    its anchors under D-PACE) with `batch_mean`, else its sum. `dpace_alpha`: D-PACE position weights
+    (objective.position_weights=dpace) instead of the gamma decay. `before_last_chunk()` runs before the
+    last chunk (FSDP: reduce its gradients in that backward)."""
     A = anchors.numel()
     if A == 0:
         raise ValueError("a batch without any anchor reached the drafter step (the plan must skip such samples)")
@@ -57,10 +62,11 @@ def drafter_step(model: DFlashDrafter, batch: PackedBatch, features: torch.Tenso
     host_starts = anchor_seq_starts(batch.cu_seqlens.cpu(), anchor_cu.cpu(), A)
     dev = batch.input_ids.device
     anchors, anchor_cu = anchors.to(dev), anchor_cu.to(dev)
-    labels, weights, soft = batch_targets(batch, target, anchors, anchor_cu, model.spec.block_size, gamma)
+    dpace = dpace_alpha is not None
+    labels, weights, soft = batch_targets(batch, target, anchors, anchor_cu, model.spec.block_size, gamma, dpace)
     starts = host_starts.to(dev)
     positions = batch.position_ids
-    norm = scale / weights.sum().clamp(min=1e-9) if batch_mean else scale
+    norm = scale / loss_denominator(dpace, weights.sum().clamp(min=1e-9), A) if batch_mean else scale
     head = model.lm_head.weight
     with autocast:
         ctx = model.context(features)
@@ -82,7 +88,8 @@ def drafter_step(model: DFlashDrafter, batch: PackedBatch, features: torch.Tenso
             hidden = model.draft_hidden((ctx if last else leaf)[lo:hi], batch.input_ids, positions, anchors[sl],
                                         starts[sl], offset=lo)
         chunk_soft = None if soft is None else (soft[0][sl], soft[1][sl])
-        loss_sum, m = lm_head_loss(hidden.to(head.dtype), head, labels[sl], weights[sl], chunk_soft, rows=loss_rows)
+        loss_sum, m = lm_head_loss(hidden.to(head.dtype), head, labels[sl], weights[sl], chunk_soft, rows=loss_rows,
+                                   dpace_alpha=dpace_alpha)
         if not last:
             (loss_sum * norm).backward()
         elif leaf.grad is None:
