@@ -2,7 +2,8 @@
 
 Drafters train in lockstep: a global step is one batch per drafter (schedule.py), and every step ends
 with one gradient: the summed weighted loss of all the step's batches divided by their all-reduced weight
-sum (objective.loss_norm=step; `batch`: the mean of batch means). Replicas all-reduce it once (and stay
+sum, or block count under D-PACE (objective.loss_norm=step; `batch`: the mean of batch
+means). Replicas all-reduce it once (and stay
 bitwise equal, checked at the end), FSDP2 shards reduce-scatter it (sharding.py). Rank 0's other duties (monitor, wandb, evaluation,
 checkpoints, export, summary) live in reporting.py; every other rank gets the do-nothing twin.
 """

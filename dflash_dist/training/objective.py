@@ -1,4 +1,4 @@
-"""The DFlash training objective: anchors, block labels, position-decayed loss, metrics.
+"""The DFlash training objective: anchors, block labels, position weights (gamma decay or D-PACE), loss, metrics.
 
 Anchors of a sequence are drawn uniformly without replacement among the positions p whose next token is
 supervised (so p <= len - 2). A block may run past the sequence's end: its slots there carry no label and
@@ -291,7 +291,7 @@ def lm_head_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.
     weigh = None
     if dpace_alpha is not None:
         if soft is not None:
-            raise ValueError("lm_head_loss: D-PACE weights need hard labels (its confidence is the label's probability)")
+            raise ValueError("lm_head_loss: D-PACE needs hard labels (its confidence is the label's probability)")
         weigh = partial(_dpace_rows, sel=sel, trained=labels >= 0, alpha=dpace_alpha)
     need_grad = torch.is_grad_enabled() and hidden.requires_grad
     loss, pred_rows, used = _ChunkedHeadLoss.apply(hidden, head_weight, sel, lab, wts, probs, ids, rows, need_grad,
