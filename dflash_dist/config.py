@@ -5,6 +5,7 @@ reported once (exit code 2) instead of as a hang on some other rank.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -46,6 +47,27 @@ class Range:
 def num(default, *, ge=None, gt=None, le=None, lt=None):
     """A numeric schema field with its range: the one place where a key's allowed values are declared."""
     return field(default=default, metadata={"range": Range(ge=ge, gt=gt, le=le, lt=lt)})
+
+
+def ranged(kind: type, *, ge=None, gt=None, le=None, lt=None):
+    """An argparse `type=` for a numeric command-line flag with its range (the `num` of flags): the text
+    is parsed as `kind` (int or float) and must lie in the Range, NaN and infinities never do. A bad value
+    is argparse's usage error, exit 2: "argument --nodes: must be a finite number >= 1, got 0"."""
+    rng = Range(ge=ge, gt=gt, le=le, lt=lt)
+
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {'a whole number' if kind is int else 'a number'}") from None
+        if not rng.allows(v):
+            raise argparse.ArgumentTypeError(f"must be {rng}, got {text}")
+        return v
+
+    parse.__name__ = kind.__name__  # what argparse names in its own messages
+    parse.range = rng
+    return parse
 
 
 @dataclass

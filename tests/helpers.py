@@ -160,3 +160,16 @@ def read_only(path):
         yield
     finally:
         subprocess.run(["chattr", "-i", str(path)] if root else ["chmod", "755", str(path)], check=True)
+
+
+# SmolLM2-135M-Instruct's shape (its config.json on the Hub): hidden 576, 30 layers, 9 heads of 64, 3 KV heads.
+SMOL = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "num_hidden_layers": 30,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "intermediate_size": 1536,
+        "tie_word_embeddings": True, "max_position_embeddings": 8192, "rope_theta": 100000.0, "rms_norm_eps": 1e-5}
+
+
+def smol_shape(tmp_path) -> list[str]:
+    """Overrides for a transformers target of SMOL's shape: its config.json alone, in tmp_path/smol."""
+    (tmp_path / "smol").mkdir(exist_ok=True)
+    (tmp_path / "smol" / "config.json").write_text(json.dumps(SMOL))
+    return ["model.target.kind=hf", f"model.target.path={tmp_path / 'smol'}"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from dflash_dist.forecast.shapes import model_shapes
 from dflash_dist.models import attention as attn
 from dflash_dist.models.build import build_drafter, draft_spec
 from dflash_dist.training.step import drafter_step
+from helpers import smol_shape
 
 TINY = Scaled(hidden=64, vocab=512, intermediate=192, target_layers=4, heads=4, kv_heads=2, head_dim=16,
               draft_layers=2, seqs=3, seq_len=70, prompt=10, num_anchors=12, anchor_chunk=16, loss_rows=64)
@@ -258,3 +260,82 @@ def test_one_rank_per_node_has_no_split_but_a_forecast():
     warn, line = C.start_message(fc)
     assert not warn and "per batch target" in line and "best" not in line
     assert "best_drafters_per_node" not in C.predicted_per_batch(fc)
+
+
+@pytest.mark.parametrize("flag,value,says", [
+    ("--nodes", "0", "must be a finite number >= 1, got 0"), ("--nodes", "-2", "must be a finite number >= 1, got -2"),
+    ("--gpus-per-node", "2.5", "'2.5' is not a whole number"), ("--tflops", "0", "must be a finite number > 0, got 0"),
+    ("--tflops", "nan", "must be a finite number > 0, got nan"), ("--mem-gbs", "inf", "must be a finite number > 0, got inf"),
+    ("--eff-matmul", "0", "must be a finite number in (0, 1], got 0"),
+    ("--eff-memory", "-1", "must be a finite number in (0, 1], got -1"),
+    ("--eff-network", "1.5", "must be a finite number in (0, 1], got 1.5"),
+])
+def test_bench_cost_refuses_a_numeric_flag_out_of_its_range(flag, value, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_cost.parse(["--config", "configs/default.yaml", f"{flag}={value}"])
+    assert e.value.code == 2
+    assert f"argument {flag}: {says}" in capsys.readouterr().err
+
+
+def test_bench_cost_of_a_small_model_on_this_cpu(tmp_path, capsys):
+    """SmolLM2-135M's forecast on the machine at hand: TFLOP per batch are not printed as 0, the device's
+    rates are measured here (float32), the configured split that is the best reads so."""
+    out = tmp_path / "cost.json"
+    assert bench_cost.main(["--config", "configs/default.yaml", *smol_shape(tmp_path), "--device", "cpu",
+                            "--gpus-per-node", "3", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    d = json.loads(out.read_text())
+    assert d["device"] == "CPU (measured)" and 0 < d["per_batch_tflop"]["target"] < 1
+    target_row = re.search(r"^ +target +(\S+) ", text, re.M)  # the role table's row
+    assert float(target_row[1]) == pytest.approx(d["per_batch_tflop"]["target"], rel=5e-3)  # 3 digits, not "0"
+    assert "device CPU (measured):" in text and "1 x 3 CPU processes" in text
+    assert d["configured"]["drafters_per_node"] == d["split"]["drafters_per_node"] == 1
+    assert "the configured split is the best" in text and "slower than the best" not in text
+
+
+def test_measured_cpu_rates_are_the_probes_at_the_models_widths(tmp_path, monkeypatch):
+    seen = {}
+    real = bench_cost.rate_probes
+
+    def probes(sc, rows, dev):
+        seen.update(hidden=sc.hidden, intermediate=sc.intermediate, heads=sc.heads, bf16=sc.bf16)
+        return real(sc, rows, dev)
+    monkeypatch.setattr(bench_cost, "rate_probes", probes)
+    cfg = load_config("configs/default.yaml", smol_shape(tmp_path))
+    dev, eff = bench_cost.measure_cpu(model_shapes(cfg), ranks=2)
+    assert seen == {"hidden": 576, "intermediate": 1536, "heads": 9, "bf16": False}
+    assert dev.name == "CPU (measured)" and 0 < dev.tflops < 50 and dev.mem_gbs > 0
+    assert eff.matmul == 1.0 and 0 < eff.causal_attention and 0 < eff.block_attention
+
+
+def test_bench_cost_says_when_the_configured_split_cannot_exist(capsys):
+    assert bench_cost.main(["--config", "configs/qwen3_8b.yaml", "--gpus-per-node", "2",
+                            "roles.drafters_per_node=2"]) == 0
+    text = capsys.readouterr().out
+    assert ("the configured split cannot exist on 2 GPUs per node: config key 'roles.drafters_per_node': 2 leaves "
+            "no target among 2 ranks per node") in text
+    assert "(config)" not in text and "configured roles.drafters_per_node" not in text
+
+
+def test_bench_cost_names_the_slower_configured_split(capsys):
+    assert bench_cost.main(["--config", "configs/qwen3_8b.yaml", "roles.drafters_per_node=1"]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"the configured split is predicted \d+\.\d\dx slower than the best", text)
+    assert "the configured split is the best" not in text
+
+
+@pytest.mark.parametrize("config,tp,heads", [("configs/qwen3_8b.yaml", 16, "32 attention heads and 8 key/value"),
+                                             ("configs/llama3_70b_tp2.yaml", 3, "64 attention heads and 8 key/value")])
+def test_bench_cost_refuses_a_tensor_parallel_split_that_cuts_heads(config, tp, heads, capsys):
+    assert bench_cost.main(["--config", config, f"model.target.tensor_parallel={tp}", "--gpus-per-node", "8"]) == 2
+    assert (f"error: config key 'model.target.tensor_parallel': {tp} does not divide the target's {heads}"
+            in capsys.readouterr().err)
+
+
+def test_bench_cost_checks_json_before_forecasting(tmp_path, monkeypatch, capsys):
+    from helpers import read_only
+    monkeypatch.setattr(C, "forecast", lambda *a, **k: pytest.fail("forecast ran before --json was checked"))
+    (tmp_path / "ro").mkdir()
+    with read_only(tmp_path / "ro"):
+        assert bench_cost.main(["--config", "configs/default.yaml", "--json", str(tmp_path / "ro" / "c.json")]) == 2
+    assert f"error: --json {tmp_path / 'ro' / 'c.json'}: cannot write in {tmp_path / 'ro'}: " in capsys.readouterr().err

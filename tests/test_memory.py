@@ -231,3 +231,87 @@ def test_transformers_capture_matches_measurement(tmp_path, name, config, layer_
     capture = t["capture"] + t.get("distill", 0.0)
     assert 0.97 <= capture / v["capture"] <= 1.03, (name, capture, v["capture"])
     assert 0.97 <= sum(t.values()) / v["measured"] <= 1.03, (name, t, v["measured"])
+
+
+@pytest.mark.parametrize("config,tp,heads", [(REF, 16, "32 attention heads and 8 key/value heads"),
+                                             ("configs/llama3_70b_tp2.yaml", 3, "64 attention heads and 8 key/value heads")])
+def test_a_tensor_parallel_split_train_refuses_is_exit_2_not_fits(config, tp, heads, capsys):
+    """The forecast applies loading's own rule (models.hf_target.check_head_split), not a copy of it."""
+    from types import SimpleNamespace
+
+    from dflash_dist.models.hf_target import _check_shardable
+    assert BM.main(["--config", config, f"model.target.tensor_parallel={tp}"]) == 2
+    err = capsys.readouterr().err
+    with pytest.raises(ValueError) as loading:
+        n_heads, kv = (32, 8) if config == REF else (64, 8)
+        _check_shardable(SimpleNamespace(num_attention_heads=n_heads, num_key_value_heads=kv), tp, False)
+    assert err == f"error: {loading.value}\n" and heads in err
+
+
+@pytest.mark.parametrize("value,says", [("nan", "must be a finite number > 0, got nan"),
+                                        ("0", "must be a finite number > 0, got 0"),
+                                        ("-141", "must be a finite number > 0, got -141")])
+def test_gpu_mem_gib_out_of_range_is_refused(value, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        BM.main(["--config", REF, f"--gpu-mem-gib={value}"])
+    assert e.value.code == 2 and f"argument --gpu-mem-gib: {says}" in capsys.readouterr().err
+
+
+def test_a_cpu_run_is_priced_in_float32_against_this_machines_memory(tmp_path, capsys):
+    """A CPU run of a small model (SmolLM2-135M's shape): float32 weights (twice a CUDA run's bf16), the
+    sdpa path, and the host's memory, not an H200's 141 GiB."""
+    from helpers import smol_shape
+    over = smol_shape(tmp_path)
+    assert BM.main(["--config", "configs/default.yaml", *over, "--device", "cpu", "--json", str(tmp_path / "c.json")]) == 0
+    text = capsys.readouterr().out
+    cpu = json.loads((tmp_path / "c.json").read_text())
+    assert BM.main(["--config", "configs/default.yaml", *over, "--json", str(tmp_path / "g.json")]) == 0
+    gpu = json.loads((tmp_path / "g.json").read_text())
+    assert cpu["device_gib"] == pytest.approx(BM.host_memory_gib()) and gpu["device_gib"] == 141
+    w_cpu, w_gpu = (d["roles"]["target"]["terms_gib"]["weights"] for d in (cpu, gpu))
+    assert w_cpu == pytest.approx(2 * w_gpu) and w_cpu == pytest.approx(model_shapes(
+        load_config("configs/default.yaml", over)).target_params * 4 / M.GiB, rel=1e-3)
+    assert "precision: cpu: float32 target, drafter float32, sdpa attention" in text
+    assert gpu["precision"] == "cuda: bf16 target, drafter bf16 autocast, flex attention"
+    assert f"cpu device {BM.host_memory_gib():.3g} GiB: fits" in text
+
+
+def test_json_is_checked_before_the_prediction(tmp_path, monkeypatch, capsys):
+    from helpers import read_only
+    monkeypatch.setattr(BM, "evaluate", lambda *a, **k: pytest.fail("predicted before --json was checked"))
+    (tmp_path / "ro").mkdir()
+    with read_only(tmp_path / "ro"):
+        assert BM.main(["--config", REF, "--json", str(tmp_path / "ro" / "m.json")]) == 2
+    assert f"error: --json {tmp_path / 'ro' / 'm.json'}: cannot write in " in capsys.readouterr().err
+
+
+def test_validate_says_what_it_checks_before_each_long_part(monkeypatch):
+    """--validate's parts take minutes: each is announced (and flushed) before it starts, and says that it
+    checks a built-in scaled shape, not the config's."""
+    class Out:
+        def __init__(self):
+            self.text, self.flushed = "", ""
+
+        def write(self, s):
+            self.text += s
+
+        def flush(self):
+            self.flushed = self.text
+
+    out, seen = Out(), []
+
+    def fake_validate(sc, time_steps=True, reps=3):
+        seen.append(out.flushed.splitlines()[-1])
+        return {"shape": sc.__dict__, "batch": {}, "target": {"predicted": 1, "measured": 1},
+                "chunked": {"predicted": 1, "measured": 1, "saved_predicted": 1, "saved_measured": 1},
+                "unchunked": {"predicted": 1, "measured": 1, "saved_predicted": 1, "saved_measured": 1}}
+
+    def fake_hf(*a, **k):
+        seen.append(out.flushed.splitlines()[-1])
+        return {"terms": {"capture": 1, "weights": 1}, "capture": 1, "weights": 1}
+    monkeypatch.setattr(BM, "validate", fake_validate)
+    monkeypatch.setattr(BM, "validate_hf_capture", fake_hf)
+    BM.run_validation(out)
+    assert seen == ["validating at a built-in scaled shape, not the config's (float32, hidden 256, 4 x 600 tokens)...",
+                    "validating at a built-in scaled shape, not the config's (bf16, hidden 256, 4 x 600 tokens)...",
+                    "validating a tiny transformers Qwen3-MoE target's capture..."]

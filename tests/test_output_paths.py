@@ -62,3 +62,11 @@ def test_an_output_folder_is_created_or_refused_naming_the_flag(tmp_path):
             check_output_dir(ro / "r", "--out")
         with pytest.raises(OutputPathError, match=r"^--out .*/ro: cannot write in it: "):
             check_output_dir(ro, "--out")
+
+
+def test_make_parents_creates_the_directory_or_names_why_not(tmp_path):
+    assert check_output_path(tmp_path / "a" / "b" / "out.json", "--json", make_parents=True)
+    assert (tmp_path / "a" / "b").is_dir() and list((tmp_path / "a" / "b").iterdir()) == []
+    (tmp_path / "ro").mkdir()
+    with read_only(tmp_path / "ro"), pytest.raises(OutputPathError, match=r"^--json .*/ro/new: cannot create it: "):
+        check_output_path(tmp_path / "ro" / "new" / "out.json", "--json", make_parents=True)

@@ -1,7 +1,7 @@
 """Predicted seconds per batch of each role, the best target:drafter split and the job's throughput.
 
     python -m dflash_dist.bench.cost --config configs/qwen3_8b.yaml [key=value ...] [--gpus-per-node 8]
-        [--nodes 1] [--device h200|h100] [--tflops X --mem-gbs Y ...] [--target-shape qwen3-8b]
+        [--nodes 1] [--device h200|h100|cpu] [--tflops X --mem-gbs Y ...] [--target-shape qwen3-8b]
         [--json OUT] [--validate]
 
 The batches are those of the real plan (every epoch of the prepared dataset when data.path is set, else
@@ -20,15 +20,17 @@ target seconds that the model predicts with them is printed beside the measured 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
+from dflash_dist.bench.common import timed
+from dflash_dist.checkpoints.files import check_output_path, write_json
 from dflash_dist.forecast import cost as C
-from dflash_dist.config import ConfigError, load_config
-from dflash_dist.forecast.shapes import TARGET_SHAPES, model_shapes
+from dflash_dist.config import ConfigError, load_config, ranged
+from dflash_dist.forecast.memory import Precision
+from dflash_dist.forecast.shapes import TARGET_SHAPES, check_target_split, layout_error, model_shapes
 
 # target-heavy: a 9-layer capture, 8 anchors per sequence, one draft layer; drafter-heavy: a 3-layer
 # capture, 48 anchors per sequence, two draft layers. Both: hidden 256, I = 3H, 4 sequences of 256 tokens
@@ -279,24 +281,31 @@ def report(fc: C.Forecast) -> str:
     """The roles, the splits and the throughput, as text."""
     pb = fc.per_batch
     roles = [["role", "TFLOP/batch", "GB moved", "s/batch", "worst TFLOP", "worst GB", "worst s"]] + [
-        [r, f"{v['tflop']:.0f}", f"{v['gbytes']:.0f}", f"{v['avg_s']:.3f}", f"{v['worst_tflop']:.0f}",
-         f"{v['worst_gbytes']:.0f}", f"{v['worst_s']:.3f}"] for r, v in pb.items()]
+        [r, _g(v['tflop']), _g(v['gbytes']), _g(v['avg_s']), _g(v['worst_tflop']), _g(v['worst_gbytes']),
+         _g(v['worst_s'])] for r, v in pb.items()]
     splits = [["drafters/node", "target replicas", "drafter step s", "batches/s", "samples/s", "bottleneck"]] + [
         [str(x["drafters_per_node"]) + (" (best)" if x is fc.best else "")
          + (" (config)" if x["drafters_per_node"] == fc.configured else ""),
-         str(x["target_replicas_per_node"]), f"{x['drafter_step_s']:.3f}", f"{x['batches_per_s']:.3f}",
-         f"{x['batches_per_s'] * fc.ps.samples_per_batch:.2f}", x["bottleneck"]] for x in fc.splits]
+         str(x["target_replicas_per_node"]), _g(x['drafter_step_s']), _g(x['batches_per_s']),
+         _g(x['batches_per_s'] * fc.ps.samples_per_batch), x["bottleneck"]] for x in fc.splits]
     lines = [_table(roles), "", _table(splits), ""]
     for label, d in (("best", fc.best["drafters_per_node"]), ("configured", fc.configured)):
         if d is None or d not in [x["drafters_per_node"] for x in fc.splits]:
             continue
         t = fc.throughput(d)
-        lines.append(f"{label} roles.drafters_per_node={d}: {t['samples_per_s']:.2f} samples/s, "
-                     f"{t['tokens_per_s']:,.0f} tokens/s, useful-FLOP utilisation {100 * t['mfu']:.1f}%, "
-                     f"{fc.ps.batches:,} batches in {t['run_hours']:.1f} h")
-    if fc.slowdown is not None:
+        lines.append(f"{label} roles.drafters_per_node={d}: {_g(t['samples_per_s'])} samples/s, "
+                     f"{_g(t['tokens_per_s'])} tokens/s, useful-FLOP utilisation {_g(100 * t['mfu'])}%, "
+                     f"{fc.ps.batches:,} batches in {_g(t['run_hours'])} h")
+    if fc.configured is not None and fc.configured == fc.best["drafters_per_node"]:
+        lines.append("the configured split is the best")
+    elif fc.slowdown is not None:
         lines.append(f"the configured split is predicted {fc.slowdown:.2f}x slower than the best")
     return "\n".join(lines)
+
+
+def _g(x: float) -> str:
+    """Three significant digits, thousands grouped: 0.00041 TFLOP of a small model is not 0, 1.2e+04 is 12,000."""
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.3g}"
 
 
 def _validate_report(v: dict) -> str:
@@ -315,14 +324,18 @@ def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m dflash_dist.bench.cost", description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True)
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
-    ap.add_argument("--gpus-per-node", type=int, default=8)
-    ap.add_argument("--nodes", type=int, default=1)
-    ap.add_argument("--device", default="h200", choices=sorted(k for k in C.DEVICES if k != "cpu"))
+    ap.add_argument("--gpus-per-node", type=ranged(int, ge=1), default=8,
+                    help="ranks per node (with --device cpu: processes on this machine)")
+    ap.add_argument("--nodes", type=ranged(int, ge=1), default=1)
+    ap.add_argument("--device", default="h200", choices=sorted(C.DEVICES),
+                    help="built-in peaks of a GPU, or cpu: this machine's rates, measured at the config's "
+                         "widths (and its float32 dtypes)")
     for name, what in (("tflops", "dense bf16 TFLOP/s"), ("mem-gbs", "HBM GB/s"), ("link-gbs", "GPU-GPU GB/s in a node"),
                        ("net-gbs", "GB/s per GPU between nodes")):
-        ap.add_argument(f"--{name}", type=float, help=f"{what} (overrides --device's)")
+        ap.add_argument(f"--{name}", type=ranged(float, gt=0), help=f"{what} (overrides --device's)")
     for kind in C.Efficiency.__dataclass_fields__:
-        ap.add_argument(f"--eff-{kind.replace('_', '-')}", type=float, help=f"efficiency of {kind} work")
+        ap.add_argument(f"--eff-{kind.replace('_', '-')}", type=ranged(float, gt=0, le=1),
+                        help=f"efficiency of {kind} work (share of the peak)")
     ap.add_argument("--target-shape", choices=sorted(TARGET_SHAPES),
                     help="built-in target shape when model.target.path has no config.json")
     ap.add_argument("--json", help="write the prediction here")
@@ -330,42 +343,88 @@ def parse(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def device_and_eff(args) -> tuple[C.Device, C.Efficiency]:
-    dev = C.DEVICES[args.device]
+def device_and_eff(args, cfg=None, shapes=None) -> tuple[C.Device, C.Efficiency]:
+    """The device's peaks and the efficiencies: --device's (cpu: this machine's, measured at the config's
+    widths by `measure_cpu`), each overridden by the flags given."""
+    if args.device == "cpu":
+        dev, eff = measure_cpu(shapes, args.gpus_per_node)
+    else:
+        dev, eff = C.DEVICES[args.device], C.Efficiency()
     dev = replace(dev, **{f: getattr(args, f) for f in ("tflops", "mem_gbs", "link_gbs", "net_gbs")
                           if getattr(args, f) is not None})
-    eff = C.Efficiency(**{k: getattr(args, f"eff_{k}") for k in C.Efficiency.__dataclass_fields__
+    eff = replace(eff, **{k: getattr(args, f"eff_{k}") for k in C.Efficiency.__dataclass_fields__
                           if getattr(args, f"eff_{k}") is not None})
     return dev, eff
+
+
+CPU_PROBE = dict(seq_len=512, rows=512)  # tokens of the probes' matmul and attention: short, widths are the model's
+
+
+def measure_cpu(shapes, ranks: int) -> tuple[C.Device, C.Efficiency]:
+    """This machine's rates as one of `ranks` processes sharing it would see them: `rate_probes` at the
+    target's widths (float32, what a CPU run computes in), timed by wall clock on this process's share of
+    torch's threads. Links between ranks are the nominal CPU device's (gloo over loopback is not probed)."""
+    import torch
+
+    from dflash_dist.bench.memory import Scaled
+    sc = Scaled(hidden=shapes.hidden, intermediate=shapes.intermediate, heads=shapes.heads, kv_heads=shapes.kv_heads,
+                head_dim=shapes.head_dim, seq_len=CPU_PROBE["seq_len"])
+    dev = torch.device("cpu")
+    probes, work = rate_probes(sc, CPU_PROBE["rows"], dev)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(max(1, threads // ranks))
+        seconds = {k: timed(fn, reps=3, warmup=1, dev=dev) for k, fn in probes.items()}
+    finally:
+        torch.set_num_threads(threads)
+    measured, eff = measured_rates(seconds, work, "CPU")
+    nominal = C.DEVICES["cpu"]
+    return replace(measured, link_gbs=nominal.link_gbs, net_gbs=nominal.net_gbs), eff
+
+
+def check_layout(cfg, shapes, args) -> str | None:
+    """ValueError for a target the run could not split (a head cut by tensor_parallel) or nodes with no
+    split at all; else the reason the configured roles.drafters_per_node cannot exist on these nodes, or
+    None: the run's own layout checks (forecast.shapes)."""
+    check_target_split(cfg, shapes)
+    tp = cfg.model.target.tensor_parallel
+    if not C.candidate_splits(args.gpus_per_node, tp):
+        raise ValueError(f"--gpus-per-node {args.gpus_per_node} leaves no split for model.target.tensor_parallel="
+                         f"{tp} (a drafter and a whole target replica per node)")
+    return None if cfg.roles.mode == "colocated" else layout_error(cfg, args.gpus_per_node, args.nodes)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     try:
+        if args.json:  # before the forecast (and --validate's minutes): a bad path is bad input, not a traceback
+            check_output_path(args.json, "--json", make_parents=True)
         cfg = load_config(args.config, args.overrides)
-        dev, eff = device_and_eff(args)
         shapes = model_shapes(cfg, args.target_shape)
-        if not C.candidate_splits(args.gpus_per_node, cfg.model.target.tensor_parallel):
-            raise ValueError(f"--gpus-per-node {args.gpus_per_node} leaves no split for model.target.tensor_parallel="
-                             f"{cfg.model.target.tensor_parallel} (a drafter and a whole target replica per node)")
-        fc = C.forecast(cfg, shapes, C.plan_sample_for(cfg), dev, eff, args.gpus_per_node, args.nodes)
+        configured_problem = check_layout(cfg, shapes, args)
+        dev, eff = device_and_eff(args, cfg, shapes)
+        prec = Precision.from_config(cfg, "cpu") if args.device == "cpu" else None
+        fc = C.forecast(cfg, shapes, C.plan_sample_for(cfg), dev, eff, args.gpus_per_node, args.nodes, prec)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    kind = "CPU processes" if args.device == "cpu" else "GPUs"
     print(f"{args.config} {' '.join(args.overrides)}\ntarget shape: {shapes.source}\nbatches: {fc.ps.source}; "
           f"{fc.ps.batches:,} over {cfg.train.epochs} epochs, {fc.ps.tokens_per_batch:,.0f} tokens, "
           f"{fc.ps.anchors_per_batch:,.0f} anchors, {fc.ps.samples_per_batch:.1f} samples per batch\n"
-          f"device {dev.name}: {dev.tflops:g} TFLOP/s, {dev.mem_gbs:g} GB/s; {args.nodes} x {args.gpus_per_node} "
-          f"GPUs; efficiency {eff}\n")
+          f"device {dev.name}: {dev.tflops:.3g} TFLOP/s, {dev.mem_gbs:.3g} GB/s; {args.nodes} x {args.gpus_per_node} "
+          f"{kind}; efficiency {eff}\n")
     print(report(fc))
-    result = fc.to_json() | {"efficiency": eff.__dict__, "config": args.config, "overrides": args.overrides}
+    if configured_problem:
+        print(f"the configured split cannot exist on {args.gpus_per_node} {kind} per node: {configured_problem}")
+    result = fc.to_json() | {"efficiency": eff.__dict__, "config": args.config, "overrides": args.overrides,
+                             "configured_problem": configured_problem}
     if args.validate:
         v = validate()
         print("\n" + _validate_report(v))
         result["validate"] = v
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        write_json(Path(args.json), result, indent=2)
         print(f"wrote {args.json}")
     return 0
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 import tempfile
 import time
@@ -36,9 +35,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from dflash_dist.checkpoints.files import check_output_path, write_json
 from dflash_dist.forecast import memory as M
-from dflash_dist.forecast.shapes import TARGET_SHAPES, model_shapes
-from dflash_dist.config import Config, ConfigError, load_config, loss_gamma
+from dflash_dist.forecast.shapes import TARGET_SHAPES, check_target_split, model_shapes
+from dflash_dist.config import Config, ConfigError, load_config, loss_gamma, ranged
 
 
 # -- measurement --------------------------------------------------------------------------------------
@@ -334,42 +334,65 @@ def _validate_report(v: dict) -> str:
 
 # -- CLI ----------------------------------------------------------------------------------------------
 
-def evaluate(cfg: Config, device_gib: float, target_shape: str | None = None) -> tuple[M.Prediction, dict]:
-    """The prediction at the worst batches of the config's real plan, and where they came from."""
+def evaluate(cfg: Config, device_gib: float, target_shape: str | None = None,
+             device: str = "cuda") -> tuple[M.Prediction, dict]:
+    """The prediction at the worst batches of the config's real plan on a `device` ("cuda" or "cpu": its
+    dtypes and attention path), and where they came from. ValueError for a target split train refuses."""
     shapes = model_shapes(cfg, target_shape)
+    check_target_split(cfg, shapes)
     lengths, supervised, anchorable, source = M.plan_lengths(cfg)
     worst = M.worst_batches(cfg, lengths, supervised, anchorable)
-    pred = M.predict(cfg, shapes, list(worst.values()), device_gib)
+    precision = M.Precision.from_config(cfg, device)
+    pred = M.predict(cfg, shapes, list(worst.values()), device_gib, precision=precision)
     moe = (f", {shapes.experts} experts ({shapes.experts_per_token} per token) in {len(shapes.sparse_layers)} of "
            f"{shapes.layers} layers" if shapes.experts else "")
+    dtype = {4: "float32", 2: "bf16"}[precision.target_bytes]
     return pred, {"source": source, "target_shape": shapes.source,
                   "target_params": f"{shapes.target_params / 1e9:.2f}B parameters{moe}, "
                                    f"model.target.tensor_parallel={cfg.model.target.tensor_parallel}",
+                  "precision": f"{device}: {dtype} target, drafter {'bf16 autocast' if precision.autocast else 'float32'}, "
+                               f"{precision.attention} attention",
                   "worst_batches": {k: w.summary() for k, w in worst.items()}}
+
+
+def host_memory_gib() -> float:
+    """This machine's physical memory: what a CPU run's ranks share."""
+    import os
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / M.GiB
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dflash_dist.bench.memory", description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True)
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
-    ap.add_argument("--gpu-mem-gib", type=float, default=141.0, help="device memory (H200: 141)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="the run's device: its dtypes (model.target.dtype=auto: bf16 on CUDA, float32 on CPU) and "
+                         "attention path")
+    ap.add_argument("--gpu-mem-gib", type=ranged(float, gt=0), default=None,
+                    help="memory of one device (default: an H200's 141 GiB; with --device cpu this machine's memory)")
     ap.add_argument("--target-shape", choices=sorted(TARGET_SHAPES),
                     help="built-in target shape when model.target.path has no config.json")
     ap.add_argument("--json", help="write the prediction here")
-    ap.add_argument("--validate", action="store_true", help="also check the model against the real code on CPU")
+    ap.add_argument("--validate", action="store_true",
+                    help="also check the memory model against the real code on CPU, at built-in scaled shapes "
+                         "(not the config's); a few minutes")
     args = ap.parse_args(argv)
+    device_gib = args.gpu_mem_gib or (host_memory_gib() if args.device == "cpu" else 141.0)
     try:
+        if args.json:  # before the prediction and --validate's minutes: a bad path is bad input, not a traceback
+            check_output_path(args.json, "--json", make_parents=True)
         cfg = load_config(args.config, args.overrides)
-        pred, info = evaluate(cfg, args.gpu_mem_gib, args.target_shape)
+        pred, info = evaluate(cfg, device_gib, args.target_shape, args.device)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     out = sys.stdout
     out.write(f"{args.config} {' '.join(args.overrides)}\ntarget shape: {info['target_shape']}\n"
-              f"target: {info['target_params']}\nworst batches of {info['source']}: {info['worst_batches']}\n")
+              f"target: {info['target_params']}\nprecision: {info['precision']}\n"
+              f"worst batches of {info['source']}: {info['worst_batches']}\n")
     out.write(M.gib_table(pred) + "\n")
-    out.write(f"device {pred.device_gib:g} GiB: {'fits' if pred.fits else 'does NOT fit'}; objective.anchor_chunk="
-              f"{pred.anchor_chunk}, largest that fits: {pred.best_anchor_chunk}\n")
+    out.write(f"{args.device} device {pred.device_gib:.3g} GiB: {'fits' if pred.fits else 'does NOT fit'}; "
+              f"objective.anchor_chunk={pred.anchor_chunk}, largest that fits: {pred.best_anchor_chunk}\n")
     for role in pred.roles:
         msg = M.preflight_message(pred, role)
         if msg:
@@ -378,23 +401,34 @@ def main(argv: list[str] | None = None) -> int:
         out.write(f"unsure: {pred.unsure}\n")
     result = pred.to_json() | info
     if args.validate:
-        result["validate"] = []
-        for sc in (Scaled(), Scaled(bf16=True)):
-            v = validate(sc, time_steps=not sc.bf16)
-            out.write(_validate_report(v) + "\n")
-            result["validate"].append({k: v[k] for k in v if k not in ("chunked", "unchunked")} | {
-                k: {kk: vv for kk, vv in v[k].items() if kk != "terms"} for k in ("chunked", "unchunked")})
-        with tempfile.TemporaryDirectory() as tmp:
-            v = validate_hf_capture(tiny_moe_config(), tmp, [0, 2], bf16=True)
-        pred = v["terms"]["capture"]
-        out.write(f"validate a tiny transformers Qwen3-MoE target (bf16, 16 experts, 4 per token): capture "
-                  f"predicted {pred / 2**20:.2f} MiB, measured {v['capture'] / 2**20:.2f} MiB "
-                  f"({pred / v['capture']:.3f}); weights {v['terms']['weights'] / v['weights']:.3f} of measured\n")
-        result["validate_moe"] = {"capture_predicted": pred, "capture_measured": v["capture"]}
+        result |= run_validation(out)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        write_json(Path(args.json), result, indent=2)
     return 0
+
+
+def run_validation(out) -> dict:
+    """--validate: the memory model against the real code at built-in scaled shapes, each announced before
+    it runs (together several minutes on a loaded 2-core machine)."""
+    result: dict = {"validate": []}
+    for sc in (Scaled(), Scaled(bf16=True)):
+        out.write(f"validating at a built-in scaled shape, not the config's ({'bf16' if sc.bf16 else 'float32'}, "
+                  f"hidden {sc.hidden}, {sc.seqs} x {sc.seq_len} tokens)...\n")
+        out.flush()
+        v = validate(sc, time_steps=not sc.bf16)
+        out.write(_validate_report(v) + "\n")
+        result["validate"].append({k: v[k] for k in v if k not in ("chunked", "unchunked")} | {
+            k: {kk: vv for kk, vv in v[k].items() if kk != "terms"} for k in ("chunked", "unchunked")})
+    out.write("validating a tiny transformers Qwen3-MoE target's capture...\n")
+    out.flush()
+    with tempfile.TemporaryDirectory() as tmp:
+        v = validate_hf_capture(tiny_moe_config(), tmp, [0, 2], bf16=True)
+    pred = v["terms"]["capture"]
+    out.write(f"validate a tiny transformers Qwen3-MoE target (bf16, 16 experts, 4 per token): capture "
+              f"predicted {pred / 2**20:.2f} MiB, measured {v['capture'] / 2**20:.2f} MiB "
+              f"({pred / v['capture']:.3f}); weights {v['terms']['weights'] / v['weights']:.3f} of measured\n")
+    result["validate_moe"] = {"capture_predicted": pred, "capture_measured": v["capture"]}
+    return result
 
 
 if __name__ == "__main__":

@@ -54,14 +54,17 @@ class OutputPathError(ValueError):
     input errors, before any work is done, instead of failing at the end of a run."""
 
 
-def check_output_path(path: str | os.PathLike, what: str) -> Path:
+def check_output_path(path: str | os.PathLike, what: str, make_parents: bool = False) -> Path:
     """`path` as a Path, once it is known that a file can be created there; else OutputPathError naming
     `what` (the flag or key that gave it) and the path. Call it at start-up for every output, so a long
     evaluation or benchmark does not end in a traceback. Writability is probed by creating and removing a
     temporary file in the directory: permission bits say nothing about read-only mounts, an immutable
-    (chattr +i) directory or root's bypass of them."""
+    (chattr +i) directory or root's bypass of them. `make_parents`: a missing directory is created
+    (check_output_dir) instead of refused."""
     path = Path(path)
     parent = path.parent
+    if make_parents and not parent.exists():
+        check_output_dir(parent, what)
     if path.is_dir():
         raise OutputPathError(f"{what} {path}: is a directory, not a file")
     if not parent.is_dir():

@@ -48,7 +48,7 @@ import numpy as np
 
 from dflash_dist.config import Config
 from dflash_dist.forecast.memory import SDPA_GROUP, BatchShape, Precision, Sharding
-from dflash_dist.forecast.shapes import ModelShapes
+from dflash_dist.forecast.shapes import ModelShapes, layout_problem
 
 log = logging.getLogger(__name__)
 
@@ -362,9 +362,9 @@ def lockstep_seconds(per_batch: Sequence[float], drafters: int, seed: int = 0) -
 
 
 def candidate_splits(gpus_per_node: int, tp: int) -> list[int]:
-    """drafters_per_node values topology.Layout accepts: at least one drafter and one target replica,
-    the target ranks a multiple of tensor_parallel."""
-    return [d for d in range(1, gpus_per_node) if (gpus_per_node - d) % tp == 0]
+    """drafters_per_node values topology.Layout accepts (its own check): at least one drafter and one
+    target replica, the target ranks a multiple of tensor_parallel."""
+    return [d for d in range(1, gpus_per_node) if layout_problem(gpus_per_node, d, tp) is None]
 
 
 @dataclass

@@ -133,3 +133,36 @@ def model_shapes(cfg: Config, target_shape: str | None = None) -> ModelShapes:
                        draft_kv_heads=d.num_kv_heads or t["kv_heads"], draft_head_dim=d.head_dim or t["head_dim"],
                        draft_intermediate=d.intermediate_size or t["intermediate"], feature_layers=ids,
                        block_size=cfg.objective.block_size)
+
+
+def layout_problem(gpus_per_node: int, drafters_per_node: int, tensor_parallel: int, nodes: int = 1,
+                   colocated: bool = False) -> str | None:
+    """Why train would refuse this node layout, or None: parallel.topology.Layout's own check, as train
+    builds it (so a forecast never prices a layout the run refuses)."""
+    from dflash_dist.parallel.topology import Layout, TopologyError
+    try:
+        Layout(gpus_per_node * nodes, gpus_per_node, drafters_per_node, colocated=colocated,
+               tensor_parallel=tensor_parallel)
+    except TopologyError as exc:
+        return str(exc)
+    return None
+
+
+def layout_error(cfg: Config, gpus_per_node: int, nodes: int = 1) -> str | None:
+    """`layout_problem` of the config's own roles (roles.drafters_per_node, roles.mode, tensor_parallel)."""
+    return layout_problem(gpus_per_node, cfg.roles.drafters_per_node, cfg.model.target.tensor_parallel, nodes,
+                          cfg.roles.mode == "colocated")
+
+
+def check_target_split(cfg: Config, shapes: ModelShapes) -> None:
+    """ValueError naming model.target.tensor_parallel when train would refuse to split this target over
+    its replica's ranks: a transformers target must not have a head cut (the check loading applies), and
+    colocated ranks each hold a whole target. The tiny target is replicated whole, so any split loads."""
+    tp = cfg.model.target.tensor_parallel
+    if cfg.roles.mode == "colocated":
+        problem = layout_error(cfg, 1)
+        if problem:
+            raise ValueError(problem)
+    if cfg.model.target.kind == "hf" and tp > 1:
+        from dflash_dist.models.hf_target import check_head_split
+        check_head_split(shapes.heads, shapes.kv_heads, tp)

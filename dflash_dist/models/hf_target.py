@@ -253,13 +253,18 @@ _TORCH_TP_PLAN = {
 }
 
 
+def check_head_split(heads: int, kv_heads: int, n: int) -> None:
+    """Refuse a tensor-parallel replica of `n` ranks that would cut an attention or key/value head (the
+    rule loading applies; the memory and cost forecasts apply it too, so they never price such a layout)."""
+    if heads % n or kv_heads % n:
+        raise ValueError(f"config key 'model.target.tensor_parallel': {n} does not divide the target's "
+                         f"{heads} attention heads and {kv_heads} key/value heads")
+
+
 def _check_shardable(cfg, n: int, expert_parallel: bool) -> None:
     """Refuse a split that would cut a head (or, with expert parallelism, leave ranks uneven experts)."""
     heads = cfg.num_attention_heads
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
-    if heads % n or kv % n:
-        raise ValueError(f"config key 'model.target.tensor_parallel': {n} does not divide the target's "
-                         f"{heads} attention heads and {kv} key/value heads")
+    check_head_split(heads, getattr(cfg, "num_key_value_heads", None) or heads, n)
     experts = int(getattr(cfg, "num_experts", 0) or 0)
     if expert_parallel and (not experts or experts % n):
         raise ValueError(f"expert parallelism over {n} ranks needs a MoE target whose expert count divides by "
