@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_dist.checkpoints.files import check_output_path
 from dflash_dist.evaluation.prompts import EvalInputError, PromptSet, default_bench_dir, load_bench
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,8 @@ def check_flags(args) -> None:
                         ("--kv-cache-bytes", args.kv_cache_bytes), ("--max-model-len", args.max_model_len)):
         if value is not None and value <= 0:
             raise EvalInputError(f"{flag} {value}: must be a positive number")
+    if args.json:  # before the evaluation (minutes to hours), not after it
+        check_output_path(args.json, "--json")
 
 
 def prompt_sets(args, cfg) -> list[PromptSet]:

@@ -32,9 +32,13 @@ class Options:
 
 
 def decode_answer(target, drafter, prompt: list[int], stop: frozenset, opts: Options, where: str):
-    """(Tally of this one answer, its tokens)."""
-    ref = target_greedy(target, prompt, opts.max_new_tokens, stop)
-    out = speculative(target, drafter, prompt, opts.max_new_tokens, stop)
+    """(Tally of this one answer, its tokens). The answer stops at the target's context, as regeneration's do."""
+    ctx = target.max_position_embeddings
+    if len(prompt) >= ctx:  # a later turn, grown by the answers before it (first turns are checked up front)
+        raise EvalInputError(f"{where}: prompt of {len(prompt):,} tokens >= the target's context of {ctx:,} positions")
+    new_tokens = min(opts.max_new_tokens, ctx - len(prompt))
+    ref = target_greedy(target, prompt, new_tokens, stop)
+    out = speculative(target, drafter, prompt, new_tokens, stop)
     t = Tally(drafter.spec.block_size, num_turns=1, new_tokens=len(out.tokens), target_s=ref.seconds,
               speculative_s=out.seconds)
     t.add_steps(out.accepted)
@@ -67,6 +71,24 @@ def run_prompt(target, drafter, pset: PromptSet, i: int, chat: Chat | None, opts
     return total
 
 
+def check_context(target, sets: list[PromptSet], chat: Chat | None) -> None:
+    """EvalInputError naming every prompt whose (first turn's) prompt fills the target's context, before
+    anything is decoded: the target cannot answer it (regeneration skips such a prompt as over_context)."""
+    ctx = target.max_position_embeddings
+    over = []
+    for pset in sets:
+        for i, item in enumerate(pset.items):
+            where = f"{pset.source}:{pset.lines[i]}"
+            n = len(item) if pset.kind == "ids" else len(chat.render([{"role": "user", "content": item[0]}],
+                                                                     f"{where} turn 1"))
+            if n >= ctx:
+                over.append(f"{where} ({n:,} tokens)")
+    if over:
+        raise EvalInputError(f"{len(over)} prompt(s) of at least the target's context of {ctx:,} positions, which it "
+                             f"cannot answer: {', '.join(over[:10])}{', ...' if len(over) > 10 else ''}; remove them "
+                             f"from the set")
+
+
 def warm_up(target, drafter) -> None:
     """One short decode each way before anything is timed (first-call allocations, kernel selection)."""
     prompt = [i % target.vocab_size for i in range(1, 9)]
@@ -78,6 +100,7 @@ def run_sets(target, drafter, sets: list[PromptSet], chat: Chat | None, opts: Op
              rank: int = 0, world: int = 1) -> dict[str, Tally] | None:
     """Tallies per set on rank 0 (None on the other ranks). A bad input or a strict mismatch on any
     rank travels with the gathered results, so every rank returns or raises together (none waits)."""
+    check_context(target, sets, chat)  # every rank alike, before any decode or collective
     warm_up(target, drafter)
     local, failure = [], None
     try:
