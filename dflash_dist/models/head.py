@@ -142,8 +142,10 @@ class HeadOnlyTarget(nn.Module):
 
 
 def default_mask_token_id(path: Path, vocab_size: int) -> int | None:
-    """The tokenizer's mask token if it has one, else the first embedding row no token uses (models pad
-    their vocabulary: Qwen3 has ~270 unused rows). None when neither exists or there is no tokenizer."""
+    """The id the drafter's masked block slots hold, chosen deliberately (docs/serving.md) and logged: the
+    tokenizer's mask token if it has one; else the first embedding row no token uses (models pad their
+    vocabulary: Qwen3 has ~270 unused rows); else a spare control token (`spare_special_token`). None when
+    there is no tokenizer or none of these exists (then model.draft.mask_token_id, or the last row)."""
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
         return None  # (AutoTokenizer would build an empty tokenizer from config.json alone)
     try:
@@ -153,8 +155,30 @@ def default_mask_token_id(path: Path, vocab_size: int) -> int | None:
         log.info("no tokenizer in %s (%s): mask token id must come from the config", path, type(exc).__name__)
         return None
     if tok.mask_token_id is not None and tok.mask_token_id < vocab_size:
-        return int(tok.mask_token_id)
-    return len(tok) if len(tok) < vocab_size else None
+        mask, why = int(tok.mask_token_id), "the tokenizer's mask token"
+    elif len(tok) < vocab_size:
+        mask, why = len(tok), "the first embedding row no token uses"
+    else:
+        mask = spare_special_token(tok, vocab_size)
+        why = "a control token that neither chat text nor the chat template produces (no mask token, no unused row)"
+    if mask is None:
+        log.warning("%s: no mask token, no unused embedding row and no spare control token: the mask is the last "
+                    "row (%d), a real token; give model.draft.mask_token_id to choose another", path, vocab_size - 1)
+        return None
+    log.info("mask token id %d (%r): %s", mask, tok.convert_ids_to_tokens(mask), why)
+    return mask
+
+
+def spare_special_token(tok, vocab_size: int) -> int | None:
+    """The highest-id special added token that is none of bos/eos/pad/unk and that the chat template never
+    writes (SmolLM2: `<empty_output>`, id 16): unlike the last row (SmolLM2's `'ectable'`, a word piece of
+    ordinary text), only its literal string in a text yields it, so a masked slot is all but never also a
+    real token of the prompt or the answer."""
+    named = {t for t in (tok.bos_token, tok.eos_token, tok.pad_token, tok.unk_token) if t}
+    template = tok.chat_template if isinstance(tok.chat_template, str) else ""
+    spare = [i for i, t in tok.added_tokens_decoder.items()
+             if t.special and i < vocab_size and t.content not in named and t.content not in template]
+    return max(spare) if spare else None
 
 
 def load_head_only_target(path: str | Path, dtype: torch.dtype, device: torch.device | str) -> HeadOnlyTarget:
