@@ -2,7 +2,8 @@
 
 Drafters train in lockstep: a global step is one batch per drafter (schedule.py), and every step ends
 with one gradient: the summed weighted loss of all the step's batches divided by their all-reduced weight
-sum (objective.loss_norm=step; `batch`: the mean of batch means). Replicas all-reduce it once (and stay
+sum, or block count under D-PACE (objective.loss_norm=step; `batch`: the mean of batch
+means). Replicas all-reduce it once (and stay
 bitwise equal, checked at the end), FSDP2 shards reduce-scatter it (sharding.py). Rank 0's other duties (monitor, wandb, evaluation,
 checkpoints, export, summary) live in reporting.py; every other rank gets the do-nothing twin.
 """
@@ -238,10 +239,11 @@ class Drafter:
         m = drafter_step(self.state.model, d, packet.features, packet.target, anchors, anchor_cu, gamma=self.gamma,
                          anchor_chunk=o.anchor_chunk, loss_rows=o.loss_rows, scale=scale,
                          batch_mean=not self.step_norm, autocast=self.autocast,
-                         before_last_chunk=self.sharding.before_last_chunk, dpace_alpha=self.dpace_alpha,
-                         selector_weight=o.selector_weight, selector_detach=o.selector_detach)
-        stats.take_metrics(m)  # device tensors stay on the device: packed there
+                         before_last_chunk=self.sharding.before_last_chunk, dpace_alpha=self.dpace_alpha)
+        stats.loss_sum, stats.weight_sum = m.loss_sum, m.weight_sum
+        stats.accept_sum, stats.blocks = m.accept_sum, m.num_blocks
         stats.tokens, stats.seqs, stats.batches = d.num_tokens, d.num_seqs, 1
+        stats.correct, stats.valid = m.correct, m.valid  # still on the device: packed there
 
     def _reduce(self, stats: StepStats) -> StepStats:
         """Sum the step's stats over drafters (and take the newest target counters)."""

@@ -1,4 +1,4 @@
-"""The DFlash training objective: anchors, block labels, position-decayed loss, metrics.
+"""The DFlash training objective: anchors, block labels, position weights (gamma decay or D-PACE), loss, metrics.
 
 Anchors of a sequence are drawn uniformly without replacement among the positions p whose next token is
 supervised (so p <= len - 2). A block may run past the sequence's end: its slots there carry no label and
@@ -147,12 +147,6 @@ class StepMetrics:
     valid: torch.Tensor  # (B,) trained labels per slot
     accept_sum: float | torch.Tensor  # sum over blocks of the accepted prefix length (+1 bonus)
     num_blocks: int
-    # DFlash 2 (training/selector.py): correct/accept_sum then follow the selector's walk; these hold the
-    # unary head's own figures, the selector term's sum of w * ce and the top-K's recall of the gold.
-    unary_correct: torch.Tensor | None = None
-    unary_accept_sum: float | torch.Tensor | None = None
-    selector_loss_sum: float | torch.Tensor | None = None
-    topk_hits: torch.Tensor | None = None
 
 
 def dflash_loss(logits, labels, weights, soft=None):
@@ -297,7 +291,7 @@ def lm_head_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.
     weigh = None
     if dpace_alpha is not None:
         if soft is not None:
-            raise ValueError("lm_head_loss: D-PACE weights need hard labels (its confidence is the label's probability)")
+            raise ValueError("lm_head_loss: D-PACE needs hard labels (its confidence is the label's probability)")
         weigh = partial(_dpace_rows, sel=sel, trained=labels >= 0, alpha=dpace_alpha)
     need_grad = torch.is_grad_enabled() and hidden.requires_grad
     loss, pred_rows, used = _ChunkedHeadLoss.apply(hidden, head_weight, sel, lab, wts, probs, ids, rows, need_grad,
