@@ -412,14 +412,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.config} {' '.join(args.overrides)}\ntarget shape: {shapes.source}\nbatches: {fc.ps.source}; "
           f"{fc.ps.batches:,} over {cfg.train.epochs} epochs, {fc.ps.tokens_per_batch:,.0f} tokens, "
           f"{fc.ps.anchors_per_batch:,.0f} anchors, {fc.ps.samples_per_batch:.1f} samples per batch\n"
-          f"device {dev.name}: {dev.tflops:.3g} TFLOP/s, {dev.mem_gbs:.3g} GB/s; {args.nodes} x {args.gpus_per_node} "
-          f"{kind}; efficiency {eff}\n")
+          f"device {dev.name}: {_g(dev.tflops)} TFLOP/s, {_g(dev.mem_gbs)} GB/s; {args.nodes} x {args.gpus_per_node} "
+          f"{kind}; efficiency {', '.join(f'{k} {v:.2g}' for k, v in eff.__dict__.items())}\n")
     print(report(fc))
     if configured_problem:
         print(f"the configured split cannot exist on {args.gpus_per_node} {kind} per node: {configured_problem}")
     result = fc.to_json() | {"efficiency": eff.__dict__, "config": args.config, "overrides": args.overrides,
                              "configured_problem": configured_problem}
     if args.validate:
+        print("\nvalidating the cost model against the real code on CPU at two built-in scaled shapes (not the "
+              "config's), a minute or more...", flush=True)
         v = validate()
         print("\n" + _validate_report(v))
         result["validate"] = v
