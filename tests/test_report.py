@@ -157,6 +157,27 @@ def test_a_record_cut_by_a_full_disk_and_glued_to_the_next_is_named_and_the_next
         load_run(tmp_path)
 
 
+@pytest.mark.parametrize("cut", [b'{"kind": "step", "step": 2, "ep', b'{"kind": "step", "step": 2, "loss": 0.4',
+                                 b'{"kind": "step", "step": 2, "ok": tr', b'{"kind": "step", "step": 2, "loss": -1.5e'])
+def test_a_record_cut_short_and_ended_by_the_next_process_is_named_not_fatal(tmp_path, cut):
+    """The monitor ends a cut last line before it appends: the cut record stays, alone on its line."""
+    from dflash_dist.report import load_run
+    step = b'{"kind": "step", "step": 1, "epoch": 1, "time": 1.0, "loss": 9.0}\n'
+    (tmp_path / "metrics.jsonl").write_bytes(PLAN + step + cut + b"\n" + PLAN + step)
+    run = load_run(tmp_path)
+    assert [r["kind"] for r in run.records] == ["plan", "step", "plan", "step"]
+    assert run.notes == ["metrics.jsonl: line 3 is a record cut short (a full disk, or a kill mid-write) and was "
+                         "not read"]
+
+
+@pytest.mark.parametrize("bad", [b'{"kind": "step", "step": 2, "ok": x}', b'{"kind": "step"} tail', b'garbage'])
+def test_a_damaged_line_that_is_not_a_cut_record_is_still_refused(tmp_path, bad):
+    from dflash_dist.report import load_run
+    (tmp_path / "metrics.jsonl").write_bytes(PLAN + bad + b"\n" + PLAN)
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a JSON record"):
+        load_run(tmp_path)
+
+
 def test_an_unwritable_out_folder_exits_2_naming_it(tmp_path, capsys):
     from dflash_dist.report.__main__ import main
     from helpers import read_only

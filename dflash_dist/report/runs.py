@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -105,6 +106,11 @@ def _read_jsonl(path: Path, notes: list[str]) -> list[dict]:
                 notes.append(f"{path.name}: line {n} is incomplete (a run still writing, or killed) and was not read")
                 log.warning("%s:%d: incomplete last line not read", path, n)
                 continue
+            if _cut_short(line):  # a writer stopped mid-record (a full disk, a kill); the next one ended the line
+                notes.append(f"{path.name}: line {n} is a record cut short (a full disk, or a kill mid-write) and "
+                             f"was not read")
+                log.warning("%s:%d: a record cut short was not read", path, n)
+                continue
             rec = _after_a_cut(line)
             if rec is None:
                 raise ReportInputError(f"{path}:{n}: not a JSON record: {exc}") from exc
@@ -118,11 +124,27 @@ def _read_jsonl(path: Path, notes: list[str]) -> list[dict]:
     return records
 
 
+def _cut_short(text: str) -> bool:
+    """Whether `text` is the start of a JSON object that ends too soon: the decoder ran out of input (an
+    open string, or an error at the very end), not into a wrong character."""
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as exc:
+        rest = text[exc.pos:].rstrip()
+        return text.startswith("{") and (not rest or exc.msg.startswith("Unterminated string")
+                                         or any(w.startswith(rest) for w in ("true", "false", "null"))
+                                         or _NUMBER_START.fullmatch(rest) is not None)
+    return False
+
+
+_NUMBER_START = re.compile(r"-?\d*(\.\d*)?([eE][+-]?\d*)?")  # what a number cut short can look like
+
+
 def _after_a_cut(line: str) -> dict | None:
     """The whole record at the end of `line` when the line is a record cut short with the next process's
     first record written straight after it (the writer died mid-line; the next one appended); else None."""
     for i in range(len(line) - 1, 0, -1):
-        if line.startswith('{"', i):
+        if line.startswith('{"', i) and _cut_short(line[:i]):
             try:
                 rec = json.loads(line[i:])
             except json.JSONDecodeError:
