@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_dist.data.jsonl import Skip, check_text, decode_line, numbered_lines
+from dflash_dist.data.sources import humaneval_turns
 
 
 class EvalInputError(ValueError):
@@ -106,9 +107,7 @@ _STEP_BY_STEP = "\nPlease reason step by step, and put your final answer within 
 BENCHMARKS = {
     "gsm8k": (("openai/gsm8k", "main"), "test", lambda r: [r["question"] + _STEP_BY_STEP]),
     "math500": (("HuggingFaceH4/MATH-500",), "test", lambda r: [r["problem"] + _STEP_BY_STEP]),
-    "humaneval": (("openai/openai_humaneval",), "test", lambda r: [
-        "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
-        + r["prompt"] + "\n```"]),
+    "humaneval": (("openai/openai_humaneval",), "test", humaneval_turns),
     "mbpp": (("google-research-datasets/mbpp", "sanitized"), "test", lambda r: [r["prompt"]]),
     "mt-bench": (("HuggingFaceH4/mt_bench_prompts",), "train", lambda r: list(r["prompt"])),
 }
