@@ -87,3 +87,18 @@ def test_the_summary_final_figures_are_the_last_epochs_means():
     assert last == {"window": "mean of epoch 1 (2 steps)", "loss": 3.0, "acc": [0.75, 0.25], "accept_len": 2.0}
     old = final_window([{"epoch": 1, "loss": 1.0}], p)  # a checkpoint's history of an older version
     assert old["window"] == "last step" and old["loss"] == 1.0 and math.isfinite(old["accept_len"])
+
+
+def test_the_tau_figure_draws_the_measurements_during_training(tmp_path):
+    from dflash_dist.report.figures import tau
+    from dflash_dist.report.runs import RunData
+    recs = [{"kind": "tau", "step": s, "tau": t, "_t": float(s)} for s, t in ((0, 1.0), (4, 1.4), (8, 1.9))]
+    summary = {"tau_untrained": {"tau": 1.0}, "tau_trained": {"tau": 1.9}, "final_accept_len_estimate": 2.1}
+    drawn = tau([RunData("run", tmp_path, recs, summary)])
+    assert drawn.figure is not None
+    during = drawn.figure.axes[1]
+    assert during.get_title() == "tau measured during training"
+    x, y = during.lines[0].get_data()
+    assert list(x) == [0, 4, 8] and list(y) == [1.0, 1.4, 1.9]
+    # A run still going (no summary yet) is drawn from its records alone.
+    assert tau([RunData("live", tmp_path, recs, None)]).figure is not None

@@ -124,8 +124,7 @@ class Reporter(NullReporter):
                  r["prompt_set"],
                  "equals" if r["exact"] else f"DIFFERS ({r['mismatches']} prompts) from", time.time() - t0)
         out = {k: r[k] for k in ("tau", "num_prompts", "num_steps", "exact", "mismatches", "prompt_set")}
-        out.update(step=self.progress.step, label=label, accepted_per_position=r["accepted_per_position"],
-                   seconds=round(time.time() - t0, 2))
+        out.update(step=self.progress.step, label=label, accepted_per_position=r["accepted_per_position"])
         self.progress.tau = out
         self.state.history.taus.append(out)
         self.sinks.write({"kind": "tau", **out}, console=False)
