@@ -251,3 +251,19 @@ def test_prepare_trains_the_targets_ids_where_re_tokenizing_would_differ(tmp_pat
     re_ids, re_mask = ds.sample(1)  # "foo.foo" carrying ids that decode to "foo": re-tokenized, counted
     assert re_ids[re_mask == 1].tolist() == [foo, dot, foo, end]
 
+
+
+def test_per_reply_sampler_keeps_the_tokens_transformers_top_p_keeps():
+    """The hf engine's own drawing applies temperature and top-p as transformers' warpers do."""
+    import torch
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+    from dflash_dist.data.regen.hf import PerReplySampler
+    scores = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3
+    for top_p in (0.3, 0.9, 1.0):
+        ref = TopPLogitsWarper(top_p)(None, TemperatureLogitsWarper(0.7)(None, scores.clone()))
+        sampler = PerReplySampler(Sampling(8, temperature=0.7, top_p=top_p), list(range(6)), torch.device("cpu"))
+        for _ in range(200):  # every draw is one of the tokens transformers keeps, and the argmax is the draw
+            out = sampler(None, scores)
+            assert torch.isfinite(out).sum(-1).eq(1).all()
+            assert torch.isfinite(ref.gather(-1, out.argmax(-1, keepdim=True))).all(), top_p
