@@ -35,9 +35,14 @@ def propose_block(drafter, features: torch.Tensor, seq: Sequence[int]) -> list[i
     # The anchor's own feature row is never attended (context is strictly before it): zeros fill it.
     feats = torch.cat([features[:anchor], features.new_zeros(1, features.shape[1])])
     ids = torch.tensor(list(seq), dtype=torch.long, device=dev)
-    logits = drafter(feats, ids, torch.tensor([0, anchor + 1], device=dev), torch.arange(anchor + 1, device=dev),
-                     torch.tensor([anchor], device=dev), torch.tensor([0, 1], device=dev))
-    return logits[0, 1:].argmax(-1).tolist()
+    cu, positions = torch.tensor([0, anchor + 1], device=dev), torch.arange(anchor + 1, device=dev)
+    anchors, anchor_cu = torch.tensor([anchor], device=dev), torch.tensor([0, 1], device=dev)
+    if not hasattr(drafter, "block_tokens"):  # a test's oracle module: logits only
+        return drafter(feats, ids, cu, positions, anchors, anchor_cu)[0, 1:].argmax(-1).tolist()
+    # The whole forward (context of every row, no cache), then the drafter's own pick of tokens: the
+    # unary argmax or DFlash 2's selector walk at temperature 0.
+    hidden = drafter.draft_hidden(drafter.context(feats), ids, positions, anchors, torch.zeros_like(anchors))
+    return drafter.block_tokens(hidden, ids[anchors])[0].tolist()
 
 
 @torch.no_grad()

@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 
 from dflash_dist.models.decode import sequence_cache
-from dflash_dist.models.attention import packed_block_attention, prepare_block_attention
+from dflash_dist.models.attention import prepare_block_attention
 from dflash_dist.models.qwen3 import apply_rope, rope_cos_sin
 
 
@@ -32,8 +32,9 @@ class ContextDrafter:
     """A DFlashDrafter with a cache of its context, as the engines keep one: each committed position's
     fused context row (fc + norm of its target features) and, per draft layer, its key (k_norm, RoPE at its
     position) and value are computed once; a proposal then runs only the block's B rows through the
-    layers. The layer below is DraftLayer.forward with the context part read from that cache (tests hold
-    it to the full-recompute reference, step for step)."""
+    layers (`DraftLayer.over_context`, the context part read from that cache), and its tokens are the
+    drafter's `block_tokens`: the unary argmax, or DFlash 2's selector walk (tests hold it to the
+    full-recompute reference, step for step)."""
 
     def __init__(self, drafter, capacity: int):
         self.drafter, self.capacity, self.n = drafter, capacity, 0
@@ -64,13 +65,8 @@ class ContextDrafter:
         lo, hi = torch.zeros(1, dtype=torch.long, device=dev), torch.tensor([anchor], device=dev)
         prepared = prepare_block_attention(lo, hi, anchor, 1, B, like=x)
         for layer, K, V in zip(d.layers, self.K, self.V):
-            a = layer.self_attn
-            h = layer.input_layernorm(x)
-            out = packed_block_attention(apply_rope(a.q(h), *rope), K[:anchor], V[:anchor], apply_rope(a.k(h), *rope),
-                                         a.v(h), lo, hi, prepared=prepared)
-            x = x + a.o_proj(out.flatten(-2))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return d.lm_head(d.norm(x).to(d.lm_head.weight.dtype))[0, 1:].argmax(-1).tolist()
+            x = layer.over_context(x, K[:anchor], V[:anchor], rope, lo, hi, prepared)
+        return d.block_tokens(d.norm(x), ids[:, 0])[0].tolist()
 
 
 class FeatureDrafter:

@@ -62,13 +62,28 @@ def draft_spec(cfg: Config, target) -> DraftSpec:
     kv = d.num_kv_heads or target.num_kv_heads
     if heads % kv:
         raise ConfigError(f"config key 'model.draft.num_kv_heads': {kv} does not divide num_heads {heads}")
+    if d.variant == "dflash2":
+        _check_dflash2(d, target)
     return DraftSpec(
         vocab_size=target.vocab_size, hidden_size=target.hidden_size,
         intermediate_size=d.intermediate_size or target.intermediate_size, num_layers=d.num_layers,
         num_heads=heads, num_kv_heads=kv, head_dim=d.head_dim or target.head_dim,
         rope_theta=target.rope_theta, rms_eps=target.rms_eps, block_size=cfg.objective.block_size,
         mask_token_id=mask, target_layer_ids=tuple(ids), num_target_layers=L,
-        max_position_embeddings=target.max_position_embeddings)
+        max_position_embeddings=target.max_position_embeddings, variant=d.variant,
+        conv_kernel_size=d.conv_kernel_size, conv_group_size=d.conv_group_size, selector_top_k=d.selector_top_k,
+        selector_rank=d.selector_rank, output_multiplier=d.output_multiplier,
+        final_logit_softcapping=d.final_logit_softcapping)
+
+
+def _check_dflash2(d, target) -> None:
+    """The DFlash 2 keys that need the target's shapes."""
+    if target.hidden_size % d.conv_group_size:
+        raise ConfigError(f"config key 'model.draft.conv_group_size': {d.conv_group_size} does not divide the "
+                          f"target's hidden size {target.hidden_size}")
+    if d.selector_top_k > target.vocab_size:
+        raise ConfigError(f"config key 'model.draft.selector_top_k': {d.selector_top_k} exceeds the target's "
+                          f"vocabulary ({target.vocab_size})")
 
 
 def build_drafter(spec: DraftSpec, target, seed: int, device: torch.device,

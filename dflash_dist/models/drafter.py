@@ -15,6 +15,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dflash_dist.models.attention import packed_block_attention, prepare_block_attention
+from dflash_dist.models.dflash2 import (CandidateSelector, GroupedConv, around, candidate_logits, unary_top_k,
+                                        unary_values, walk)
 from dflash_dist.models.qwen3 import DecoderLayer, RMSNorm, apply_rope, rope_cos_sin
 
 
@@ -37,26 +39,52 @@ class DraftSpec:
     # The target's context length, exported as the drafter's: the engines feed the drafter positions up
     # to the target's, and SGLang refuses a draft with a shorter context (docs/serving.md).
     max_position_embeddings: int = 40960
+    # `dflash` or `dflash2` (models/dflash2.py: the grouped convolution and the candidate selector).
+    variant: str = "dflash"
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_top_k: int = 16
+    selector_rank: int = 256
+    output_multiplier: float = 1.0  # the selector's unary scores: logits x this, then soft-capped
+    final_logit_softcapping: float = 0.0  # 0: no cap
+
+    @property
+    def dflash2(self) -> bool:
+        return self.variant == "dflash2"
 
 
 class DraftLayer(DecoderLayer):
-    """A Qwen3 decoder layer whose keys and values also cover the fused target context."""
+    """A Qwen3 decoder layer whose keys and values also cover the fused target context; DFlash 2 wraps
+    its attention and its MLP each in a grouped convolution over the block (vLLM's
+    `DFlash2Qwen3DecoderLayer.forward`: the context's keys and values do not pass through it)."""
 
     def __init__(self, s: DraftSpec):
         super().__init__(s.hidden_size, s.intermediate_size, s.num_heads, s.num_kv_heads, s.head_dim, s.rms_eps)
+        if s.dflash2:
+            self.attention_conv = GroupedConv(s.hidden_size, s.conv_kernel_size, s.conv_group_size)
+            self.mlp_conv = GroupedConv(s.hidden_size, s.conv_kernel_size, s.conv_group_size)
+        else:
+            self.attention_conv = self.mlp_conv = None
 
     def forward(self, x, ctx, blk_rope, ctx_rope, ctx_start, ctx_end, prepared=None):
         """x: (A, B, H) blocks; ctx: (N, H) fused context of the packed batch. Block j attends to context
         rows [ctx_start[j], ctx_end[j]) (its sequence, strictly before its anchor) and its own block.
         `prepared`: the attention's mask or runs for these bounds, built once and shared by the layers."""
         a = self.self_attn
-        h = self.input_layernorm(x)
-        q = apply_rope(a.q(h), *blk_rope)
-        k_blk, v_blk = apply_rope(a.k(h), *blk_rope), a.v(h)
         k_ctx, v_ctx = apply_rope(a.k(ctx), *ctx_rope), a.v(ctx)
-        out = packed_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_start, ctx_end, prepared=prepared)
-        x = x + a.o_proj(out.flatten(-2))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self.over_context(x, k_ctx, v_ctx, blk_rope, ctx_start, ctx_end, prepared)
+
+    def over_context(self, x, k_ctx, v_ctx, blk_rope, ctx_start, ctx_end, prepared=None):
+        """The layer given the context's keys (k_norm, RoPE applied) and values (a decoder's cache)."""
+        a = self.self_attn
+
+        def attend(h):
+            q = apply_rope(a.q(h), *blk_rope)
+            k_blk, v_blk = apply_rope(a.k(h), *blk_rope), a.v(h)
+            out = packed_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_start, ctx_end, prepared=prepared)
+            return a.o_proj(out.flatten(-2))
+        x = x + around(self.attention_conv, attend, self.input_layernorm(x))
+        return x + around(self.mlp_conv, self.mlp, self.post_attention_layernorm(x))
 
 
 class DFlashDrafter(nn.Module):
@@ -69,6 +97,9 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(spec.hidden_size, spec.rms_eps)
         self.layers = nn.ModuleList(DraftLayer(spec) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_eps)
+        if spec.dflash2:
+            self.candidate_selector = CandidateSelector(spec.hidden_size, spec.vocab_size, spec.selector_rank,
+                                                        spec.selector_top_k)
         # Frozen, shared with the target; set by `attach_target_head`. Not parameters of this module.
         self._embed: nn.Embedding | None = None
         self._lm_head: nn.Linear | None = None
@@ -126,6 +157,26 @@ class DFlashDrafter(nn.Module):
                                    anchor_seq_starts(cu_seqlens, anchor_cu, anchors.numel()))
         return self._lm_head(hidden.to(self._lm_head.weight.dtype))
 
+
+    def unary_candidates(self, hidden: torch.Tensor, rows: int = 8192):
+        """(ids (n, K), served unary scores (n, K) float32) of final-normed rows (n, H): the head's top-K,
+        its logits scaled and soft-capped (vLLM's `compute_candidates`), differentiable in `hidden`."""
+        s, head = self.spec, self._lm_head.weight
+        h = hidden.to(head.dtype)
+        ids = unary_top_k(h, head, s.selector_top_k, rows)
+        return ids, unary_values(candidate_logits(h, head, ids, rows), s.output_multiplier, s.final_logit_softcapping)
+
+    @torch.no_grad()
+    def block_tokens(self, hidden: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """The drafted tokens (N, B-1) of blocks' final-normed states (N, B, H) at temperature 0: the
+        unary argmax (DFlash) or the selector's greedy walk over the top-K candidates (DFlash 2)."""
+        h = hidden[:, 1:]
+        if not self.spec.dflash2:
+            return self._lm_head(h.to(self._lm_head.weight.dtype)).argmax(-1)
+        N, S, H = h.shape
+        ids, unary = self.unary_candidates(h.reshape(N * S, H))
+        ids, unary = ids.view(N, S, -1), unary.view(N, S, -1)
+        return walk(self.candidate_selector.edge_scores(ids, unary, h, anchor_ids), ids)
 
 def anchor_seq_starts(cu_seqlens: torch.Tensor, anchor_cu: torch.Tensor, num_anchors: int) -> torch.Tensor:
     """(A,) first packed index of each anchor's sequence."""

@@ -3,7 +3,8 @@
 config.json: a Qwen3 config of the drafter plus block_size, num_target_layers and
 dflash_config {mask_token_id, target_layer_ids}, with the target's max_position_embeddings;
 model.safetensors: layers.*, fc.weight, hidden_norm.weight, norm.weight only (the embedding and LM head
-are the target's); README.md: a model card saying what it was trained against and on, its tau, and the
+are the target's; DFlash 2 adds `layers.N.{attention_conv,mlp_conv}.*` and `candidate_selector.*`, the
+architecture DFlash2DraftModel and its dflash_config keys, as z-lab's dflash2 fixture has them); README.md: a model card saying what it was trained against and on, its tau, and the
 exact settings that serve it in SGLang and vLLM (docs/serving.md says why each matters).
 """
 from __future__ import annotations
@@ -19,7 +20,24 @@ from safetensors.torch import load_file, save_file
 from dflash_dist.models.drafter import DFlashDrafter, DraftSpec
 
 
+# DFlash 2's keys of dflash_config (z-lab's `dflash2-config.json`; vLLM's qwen3_dflash2.py reads them).
+DFLASH2_KEYS = ("conv_group_size", "conv_kernel_size", "final_logit_softcapping", "output_multiplier",
+                 "selector_rank", "selector_top_k")
+
+
 def export_config(spec: DraftSpec) -> dict:
+    cfg = _base_config(spec)
+    if spec.dflash2:
+        # The architecture picks vLLM's DFlash2Qwen3ForCausalLM and its DFlash2 speculator; every layer
+        # attends fully (the project trains no sliding window), as these contract fields say.
+        cfg["architectures"] = ["DFlash2DraftModel"]
+        cfg["dflash_config"].update({"block_size": spec.block_size,
+                                     **{k: getattr(spec, k) for k in DFLASH2_KEYS}})
+        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=spec.num_layers)
+    return cfg
+
+
+def _base_config(spec: DraftSpec) -> dict:
     return {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
@@ -63,6 +81,17 @@ def serving_settings(spec: DraftSpec, draft: str = "EXPORT_DIR", target: str = "
     }
 
 
+# What DFlash 2 adds to the engines' settings (docs/serving.md has the sources).
+_DFLASH2_VLLM = """
+The method stays `dflash`: the architecture `DFlash2DraftModel` selects vLLM's DFlash2 speculator, which
+walks the selector's path. It exists in Model Runner V2 only (vLLM >= 0.32, needs Triton, i.e. a GPU
+build); do not set `VLLM_USE_V2_MODEL_RUNNER=0`: Model Runner V1 refuses this draft ("DFlash candidate-head
+drafts")."""
+_DFLASH2_SGLANG = """
+SGLang builds the convolution and the selector from `dflash_config` under the same DFLASH algorithm
+(SGLang PR 35371, on its main branch; verl-SpeCo PR 78 found no tagged release up to 0.5.18 with it)."""
+
+
 def model_card(spec: DraftSpec, facts: dict | None = None) -> str:
     """README.md of an export. `facts`: target (a path or name), data (samples, tokens, epochs, steps),
     tau (the end-of-training measurement) and tau_set (its prompt set), as far as known."""
@@ -81,9 +110,14 @@ def model_card(spec: DraftSpec, facts: dict | None = None) -> str:
         rows.append(("data", ", ".join(f"{k} {v:,}" if isinstance(v, int) else f"{k} {v}" for k, v in data.items())))
     on = f" on {facts['tau_set']}" if facts.get("tau_set") else ""  # the prompt set it was measured on
     rows.append(("tau at the end of training", f"{tau:.3f}{on}" if isinstance(tau, (int, float)) else "not measured"))
+    if spec.dflash2:
+        rows.append(("DFlash 2", f"grouped convolution {spec.conv_kernel_size} taps x groups of {spec.conv_group_size} "
+                                 f"channels; selector top-{spec.selector_top_k}, rank {spec.selector_rank}, "
+                                 f"output multiplier {spec.output_multiplier}, soft cap "
+                                 f"{spec.final_logit_softcapping or 'none'}"))
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
     v, s = serve["vllm"], serve["sglang"]
-    return f"""# DFlash drafter (dflash_dist export)
+    return f"""# {"DFlash 2" if spec.dflash2 else "DFlash"} drafter (dflash_dist export)
 
 A block-diffusion speculative-decoding drafter in the z-lab DFlash format (`config.json`,
 `model.safetensors`: decoder layers, `fc`, `hidden_norm`, `norm`; the embedding and LM head are the
@@ -95,7 +129,7 @@ target's). Replace EXPORT_DIR by this directory's path.
 
 ## Serve it with vLLM
 
-`num_speculative_tokens` must be {spec.block_size - 1} (block size - 1): vLLM does not read `block_size`.
+`num_speculative_tokens` must be {spec.block_size - 1} (block size - 1): vLLM does not read `block_size`.{_DFLASH2_VLLM if spec.dflash2 else ""}
 
 ```bash
 {v["command"]}
@@ -108,7 +142,7 @@ llm = LLM(model="{target}", speculative_config={json.dumps(v["speculative_config
 
 ## Serve it with SGLang
 
-SGLang reads the block size ({spec.block_size}) from `config.json`; the flag below only makes it explicit.
+SGLang reads the block size ({spec.block_size}) from `config.json`; the flag below only makes it explicit.{_DFLASH2_SGLANG if spec.dflash2 else ""}
 
 ```bash
 {s["command"]}
@@ -152,7 +186,14 @@ def spec_from_export(cfg: dict) -> DraftSpec:
         num_kv_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"], rope_theta=cfg["rope_theta"],
         rms_eps=cfg["rms_norm_eps"], block_size=cfg["block_size"], mask_token_id=dc["mask_token_id"],
         target_layer_ids=tuple(dc["target_layer_ids"]), num_target_layers=cfg["num_target_layers"],
-        max_position_embeddings=cfg.get("max_position_embeddings", 40960))
+        max_position_embeddings=cfg.get("max_position_embeddings", 40960), **_variant_fields(cfg))
+
+
+def _variant_fields(cfg: dict) -> dict:
+    if "DFlash2DraftModel" not in cfg.get("architectures", []):
+        return {}
+    dc = cfg["dflash_config"]
+    return {"variant": "dflash2", **{k: dc[k] for k in DFLASH2_KEYS}}
 
 
 def load_drafter(path: Path, dtype: torch.dtype = torch.float32) -> DFlashDrafter:

@@ -9,10 +9,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-# Scalar fields in pack order; `correct` and `valid` (one per block slot) follow.
+# Scalar fields in pack order; the per-slot vectors follow.
 _SCALARS = ("loss_sum", "weight_sum", "tokens", "seqs", "accept_sum", "blocks", "batches", "wait_s", "compute_s",
-            "save_due")
-_COUNTS = {"tokens", "seqs", "blocks", "batches", "save_due"}  # integers; the rest are sums of floats
+            "save_due", "unary_accept_sum", "selector_loss_sum", "selector_blocks")
+_COUNTS = {"tokens", "seqs", "blocks", "batches", "save_due", "selector_blocks"}  # integers; the rest sums of floats
+_VECTORS = ("correct", "valid", "unary_correct", "topk_hits")  # one value per block slot each
 
 
 @dataclass
@@ -28,14 +29,29 @@ class StepStats:
     wait_s: float = 0.0  # cumulative seconds this drafter waited for packets (summed over drafters)
     compute_s: float = 0.0  # cumulative seconds of drafter compute
     save_due: int = 0  # rank 0: a periodic checkpoint is due after this step (every drafter gathers for it)
+    # DFlash 2 (training/selector.py): accept_sum and correct follow the selector's walk; the unary head's
+    # own figures, the selector term (before its weight) and the top-K's recall of the gold come beside.
+    unary_accept_sum: float | torch.Tensor = 0.0
+    selector_loss_sum: float | torch.Tensor = 0.0
+    selector_blocks: int = 0  # blocks the selector drafted (0: a DFlash run)
     correct: torch.Tensor = field(default=None)  # (B,) hits per block slot
     valid: torch.Tensor = field(default=None)  # (B,) trained labels per slot
+    unary_correct: torch.Tensor = field(default=None)  # (B,) hits of the unary argmax (DFlash 2)
+    topk_hits: torch.Tensor = field(default=None)  # (B,) trained labels inside the unary top-K (DFlash 2)
 
     def __post_init__(self) -> None:
-        if self.correct is None:
-            self.correct = torch.zeros(self.block_size, dtype=torch.float64)
-        if self.valid is None:
-            self.valid = torch.zeros(self.block_size, dtype=torch.float64)
+        for k in _VECTORS:
+            if getattr(self, k) is None:
+                setattr(self, k, torch.zeros(self.block_size, dtype=torch.float64))
+
+    def take_metrics(self, m) -> None:
+        """A batch's StepMetrics (device tensors stay on the device: packed there)."""
+        self.loss_sum, self.weight_sum = m.loss_sum, m.weight_sum
+        self.accept_sum, self.blocks = m.accept_sum, m.num_blocks
+        self.correct, self.valid = m.correct, m.valid
+        if m.selector_loss_sum is not None:
+            self.unary_accept_sum, self.selector_loss_sum = m.unary_accept_sum, m.selector_loss_sum
+            self.unary_correct, self.topk_hits, self.selector_blocks = m.unary_correct, m.topk_hits, m.num_blocks
 
     def pack(self, device) -> torch.Tensor:
         """One float64 tensor on `device`. Fields may be device tensors (the step's metrics): they are
@@ -46,14 +62,15 @@ class StepStats:
         on_device = [i for i, v in enumerate(vals) if torch.is_tensor(v)]
         if on_device:
             head[on_device] = torch.stack([vals[i].to(device, torch.float64).reshape(()) for i in on_device])
-        return torch.cat([head, self.correct.to(device, torch.float64), self.valid.to(device, torch.float64)])
+        return torch.cat([head] + [getattr(self, k).to(device, torch.float64) for k in _VECTORS])
 
     @classmethod
     def unpack(cls, t: torch.Tensor, block_size: int) -> "StepStats":
         t = t.cpu()
         n, B = len(_SCALARS), block_size
         vals = {k: (int(t[i]) if k in _COUNTS else float(t[i])) for i, k in enumerate(_SCALARS)}
-        return cls(block_size=B, correct=t[n:n + B].clone(), valid=t[n + B:n + 2 * B].clone(), **vals)
+        vecs = {k: t[n + i * B:n + (i + 1) * B].clone() for i, k in enumerate(_VECTORS)}
+        return cls(block_size=B, **vecs, **vals)
 
     @property
     def loss(self) -> float:
@@ -62,6 +79,17 @@ class StepStats:
     def accuracy(self) -> list[float]:
         """Per slot k >= 1 (slot 0 is the given anchor token)."""
         return (self.correct[1:] / self.valid[1:].clamp(min=1)).tolist()
+
+    def selector_figures(self) -> dict:
+        """A DFlash 2 step's unary-head figures beside the selector's (empty for DFlash): `unary_acc`,
+        `unary_accept_len`, `topk_recall` (trained labels in the unary top-K), `selector_loss`."""
+        if not self.selector_blocks:
+            return {}
+        labels = float(self.valid[1:].sum())
+        ratio = (lambda x: float(x[1:].sum()) / labels) if labels else (lambda x: float("nan"))
+        return {"unary_acc": ratio(self.unary_correct), "unary_accept_len": self.unary_accept_sum / self.selector_blocks,
+                "topk_recall": ratio(self.topk_hits),
+                "selector_loss": self.selector_loss_sum / self.weight_sum if self.weight_sum > 0 else float("nan")}
 
 
 class Diverged(RuntimeError):

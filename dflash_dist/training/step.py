@@ -20,6 +20,7 @@ from dflash_dist.models.drafter import DFlashDrafter, anchor_seq_starts
 from dflash_dist.training.objective import (StepMetrics, argmax_block_labels, block_labels, lm_head_loss,
                                    loss_denominator, soft_block_targets)
 from dflash_dist.parallel.transport import TargetLabels
+from dflash_dist.training.selector import SelectorMetrics, selector_term
 
 
 def batch_targets(batch: PackedBatch, target: TargetLabels | None, anchors, anchor_cu, block_size: int,
@@ -38,22 +39,34 @@ def batch_targets(batch: PackedBatch, target: TargetLabels | None, anchors, anch
     return top1, weights, (probs, ids)
 
 
+_SUMMED = ("loss_sum", "weight_sum", "correct", "valid", "accept_sum", "num_blocks", "unary_correct",
+           "unary_accept_sum", "selector_loss_sum", "topk_hits")
+
+
 def merge_metrics(parts: list[StepMetrics]) -> StepMetrics:
-    first = parts[0]
-    return replace(first, loss_sum=sum(m.loss_sum for m in parts), weight_sum=sum(m.weight_sum for m in parts),
-                   correct=sum(m.correct for m in parts), valid=sum(m.valid for m in parts),
-                   accept_sum=sum(m.accept_sum for m in parts), num_blocks=sum(m.num_blocks for m in parts))
+    return replace(parts[0], **{k: sum(getattr(m, k) for m in parts) for k in _SUMMED
+                                if getattr(parts[0], k) is not None})
+
+
+def with_selector(m: StepMetrics, sm: SelectorMetrics, alpha: float) -> StepMetrics:
+    """A DFlash 2 chunk's metrics: the loss includes alpha x the selector term; acc and acceptance follow
+    the selector's walk, the unary head's kept beside them."""
+    return replace(m, loss_sum=m.loss_sum + alpha * sm.loss_sum, correct=sm.correct, accept_sum=sm.accept_sum,
+                   unary_correct=m.correct, unary_accept_sum=m.accept_sum, selector_loss_sum=sm.loss_sum,
+                   topk_hits=sm.topk_hits)
 
 
 def drafter_step(model: DFlashDrafter, batch: PackedBatch, features: torch.Tensor, target: TargetLabels | None,
                  anchors: torch.Tensor, anchor_cu: torch.Tensor, *, gamma: float, anchor_chunk: int = 0,
                  loss_rows: int = 8192, scale: float = 1.0, batch_mean: bool = True, autocast=contextlib.nullcontext(),
-                 before_last_chunk=None, dpace_alpha: float | None = None) -> StepMetrics:
+                 before_last_chunk=None, dpace_alpha: float | None = None, selector_weight: float = 1.0,
+                 selector_detach: bool = False) -> StepMetrics:
     """Forward + backward of one batch; gradients accumulate in the parameters' .grad: those of
     `scale` x the batch's weighted loss, its mean (sum / `loss_denominator`: the batch's weight sum, or
     its anchors under D-PACE) with `batch_mean`, else its sum. `dpace_alpha`: D-PACE position weights
     (objective.position_weights=dpace) instead of the gamma decay. `before_last_chunk()` runs before the
-    last chunk (FSDP: reduce its gradients in that backward)."""
+    last chunk (FSDP: reduce its gradients in that backward). A DFlash 2 drafter adds `selector_weight` x
+    the selector term (training/selector.py; `selector_detach`: none of its gradient into the backbone)."""
     A = anchors.numel()
     if A == 0:
         raise ValueError("a batch without any anchor reached the drafter step (the plan must skip such samples)")
@@ -90,6 +103,10 @@ def drafter_step(model: DFlashDrafter, batch: PackedBatch, features: torch.Tenso
         chunk_soft = None if soft is None else (soft[0][sl], soft[1][sl])
         loss_sum, m = lm_head_loss(hidden.to(head.dtype), head, labels[sl], weights[sl], chunk_soft, rows=loss_rows,
                                    dpace_alpha=dpace_alpha)
+        if model.spec.dflash2:
+            sel_sum, sm = selector_term(model, hidden, batch.input_ids, anchors[sl], labels[sl], weights[sl],
+                                        detach=selector_detach, rows=loss_rows)
+            loss_sum, m = loss_sum + selector_weight * sel_sum, with_selector(m, sm, selector_weight)
         if not last:
             (loss_sum * norm).backward()
         elif leaf.grad is None:

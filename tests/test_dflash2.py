@@ -1,0 +1,288 @@
+"""DFlash 2 drafters (models/dflash2.py, training/selector.py): the step against a plain reference, its
+memory bound, the metrics along the selector's path, the exact decoder, the export contract, the keys."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dflash_dist.config import ConfigError, load_config
+from dflash_dist.data.collate import PackedBatch
+from dflash_dist.evaluation.reference import speculative_generate
+from dflash_dist.evaluation.speculative import ContextDrafter, speculative, target_greedy
+from dflash_dist.models.build import build_drafter, build_target, draft_spec
+from dflash_dist.models.drafter import DFlashDrafter, DraftSpec
+from dflash_dist.models.export import export_drafter, load_drafter
+from dflash_dist.training.objective import anchor_generator, block_labels, draw_anchors
+from dflash_dist.training.stats import StepStats
+from dflash_dist.training.step import drafter_step
+
+CPU = torch.device("cpu")
+B, V, H, K, R = 4, 48, 32, 5, 8
+SPEC = DraftSpec(vocab_size=V, hidden_size=H, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                 head_dim=8, rope_theta=10000.0, rms_eps=1e-6, block_size=B, mask_token_id=V - 1,
+                 target_layer_ids=(0, 1), num_target_layers=3, variant="dflash2", conv_group_size=8,
+                 selector_top_k=K, selector_rank=R, output_multiplier=0.7, final_logit_softcapping=3.0)
+
+
+def trained_like(model: DFlashDrafter, seed: int = 0) -> DFlashDrafter:
+    """Random convolution and selector weights (an untrained one is the identity and the unary path)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "conv" in name or "candidate_selector" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if "codebook" in name else 0.2))
+                if name.endswith("base_kernel"):
+                    p[:, 0] += 1.0
+    return model
+
+
+def make_model(spec=SPEC, seed=0):
+    torch.manual_seed(seed)
+    model = DFlashDrafter(spec)
+    model.attach_target_head(torch.nn.Embedding(V, H), torch.nn.Linear(H, V, bias=False))
+    return trained_like(model, seed)
+
+
+@pytest.fixture(scope="module")
+def batch():
+    gen = torch.Generator().manual_seed(1)
+    cu = torch.tensor([0, 23, 32, 63])
+    ids = torch.randint(0, V - 1, (63,), generator=gen)
+    mask = torch.rand(63, generator=gen) > 0.2
+    anchors, anchor_cu = draw_anchors(mask, cu, 6, anchor_generator(0, 0, 0))
+    return PackedBatch(ids, mask, cu), torch.randn(63, 2 * H, generator=gen), anchors, anchor_cu
+
+
+def reference(model, data, feats, anchors, anchor_cu, alpha):
+    """The plain computation: whole logits, torch.topk over the vocabulary, every score spelled out."""
+    s = model.spec
+    labels, weights = block_labels(data.input_ids, data.loss_mask, data.cu_seqlens, anchors, anchor_cu, B, 7.0)
+    hidden = model.draft_hidden(model.context(feats), data.input_ids, data.position_ids, anchors,
+                                data.cu_seqlens[:-1].repeat_interleave(anchor_cu[1:] - anchor_cu[:-1]))
+    logits = model.lm_head(hidden)  # (A, B, V)
+    valid = labels >= 0
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten().clamp(min=0), reduction="none").view_as(labels)
+    unary_loss = (ce * weights).sum()
+    served = logits.topk(K, dim=-1).indices  # (A, B, K)
+    capped = lambda z: torch.tanh(z * s.output_multiplier / s.final_logit_softcapping) * s.final_logit_softcapping
+    sel = model.candidate_selector
+    proj = sel.hidden_projection(hidden)  # (A, B, R)
+    A = anchors.numel()
+    sel_loss, hits, unary_hits, accept = 0.0, torch.zeros(B), torch.zeros(B), 0.0
+    for j in range(A):
+        prev_path, run_on = int(data.input_ids[anchors[j]]), True
+        for k in range(1, B):
+            gold_prev = int(data.input_ids[anchors[j] + k - 1]) if k == 1 or not valid[j, k - 1] else int(labels[j, k - 1])
+            cands = served[j, k].tolist()
+            if valid[j, k]:
+                gold = int(labels[j, k])
+                loss_cands = cands if gold in cands else cands[:-1] + [gold]
+                score = torch.stack([capped(logits[j, k, b]) + (sel.predecessor_codebook[gold_prev] * proj[j, k])
+                                     @ sel.successor_codebook[b] for b in loss_cands])
+                sel_loss = sel_loss + weights[j, k] * -torch.log_softmax(score, 0)[loss_cands.index(gold)]
+            with torch.no_grad():  # the greedy walk: the predecessor is the walk's own previous pick
+                path_scores = [capped(logits[j, k, b]) + (sel.predecessor_codebook[prev_path] * proj[j, k])
+                               @ sel.successor_codebook[b] for b in cands]
+                prev_path = cands[int(torch.stack(path_scores).argmax())]
+                hit = bool(valid[j, k]) and prev_path == int(labels[j, k])
+                hits[k] += hit
+                unary_hits[k] += bool(valid[j, k]) and int(logits[j, k].argmax()) == int(labels[j, k])
+                run_on = run_on and hit
+                accept += run_on
+    return unary_loss + alpha * sel_loss, sel_loss, hits, unary_hits, accept + A
+
+
+@pytest.mark.parametrize("anchor_chunk, loss_rows, detach", [(0, 8192, False), (4, 3, False), (1, 5, True)])
+def test_dflash2_step_equals_the_plain_reference(batch, anchor_chunk, loss_rows, detach):
+    data, feats, anchors, anchor_cu = batch
+    model, alpha = make_model(), 0.6
+    names, params = zip(*model.named_parameters())
+    loss, sel_loss, hits, unary_hits, accept = reference(model, data, feats, anchors, anchor_cu, alpha)
+    # The step's mean (its default): the sums over the batch's weight sum, as test_step compares them.
+    norm = 1.0 / float(block_labels(data.input_ids, data.loss_mask, data.cu_seqlens, anchors, anchor_cu, B, 7.0)[1].sum())
+    loss, sel_loss = loss * norm, sel_loss * norm
+    full = torch.autograd.grad(loss, params, retain_graph=True)
+    unary_only = torch.autograd.grad(reference(model, data, feats, anchors, anchor_cu, 0.0)[0] * norm, params,
+                                     allow_unused=True)
+    # With detach the backbone sees the unary loss alone; the selector's own gradient is unchanged.
+    want = {k: f if not detach or "candidate_selector" in k else u for k, f, u in zip(names, full, unary_only)}
+    m = drafter_step(model, data, feats, None, anchors, anchor_cu, gamma=7.0, anchor_chunk=anchor_chunk,
+                     loss_rows=loss_rows, selector_weight=alpha, selector_detach=detach)
+    for k, p in model.named_parameters():
+        # float32 rounding (~30 ulp of the tensor's largest entry): the chunked sums add in another order
+        torch.testing.assert_close(p.grad, want[k], rtol=1e-5, atol=4e-6 * float(want[k].abs().max()), msg=k)
+    assert float(m.loss_sum) == pytest.approx(float(loss.detach()) / norm, rel=1e-5)
+    assert float(m.selector_loss_sum) == pytest.approx(float(sel_loss.detach()) / norm, rel=1e-5)
+    assert m.correct.tolist() == hits.tolist() and m.unary_correct.tolist() == unary_hits.tolist()
+    assert float(m.accept_sum) == pytest.approx(accept)
+
+
+def test_acc_and_tau_follow_the_selector_path_not_the_unary_head(batch):
+    """A drafter overfit on the batch drafts well, and its walk and argmax differ: the step's acc@k and
+    accepted lengths are the walk's, the unary head's come beside them (TorchSpec 177)."""
+    data, feats, anchors, anchor_cu = batch
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=2e-2)
+    for _ in range(40):
+        opt.zero_grad()
+        drafter_step(model, data, feats, None, anchors, anchor_cu, gamma=7.0, selector_weight=1.0)
+        opt.step()
+    _, _, hits, unary_hits, accept = reference(model, data, feats, anchors, anchor_cu, 1.0)
+    m = drafter_step(model, data, feats, None, anchors, anchor_cu, gamma=7.0)
+    assert m.correct.tolist() == hits.tolist() and m.unary_correct.tolist() == unary_hits.tolist()
+    assert float(m.accept_sum) == pytest.approx(accept)
+    assert hits.sum() > 0 and hits.tolist() != unary_hits.tolist()
+
+
+class _LargestWithVocab(TorchDispatchMode):
+    """The most rows of any tensor an op makes with a vocabulary-sized last dimension (views of the
+    frozen head's own weight, W.T for a matmul, aside)."""
+
+    def __init__(self, head: torch.Tensor):
+        super().__init__()
+        self.rows, self.head = 0, head.untyped_storage().data_ptr()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == V \
+                    and t.untyped_storage().data_ptr() != self.head:
+                self.rows = max(self.rows, t.numel() // V)
+        return out
+
+
+def test_codebooks_and_top_k_never_build_rows_by_vocabulary(batch):
+    data, feats, anchors, anchor_cu = batch
+    rows = 3
+    assert anchors.numel() * (B - 1) > 4 * rows
+    model = make_model()
+    with _LargestWithVocab(model.lm_head.weight) as probe:
+        drafter_step(model, data, feats, None, anchors, anchor_cu, gamma=7.0, anchor_chunk=2, loss_rows=rows)
+    assert probe.rows == rows
+
+
+def test_an_untrained_dflash2_drafter_is_its_dflash_backbone(batch):
+    """Identity convolutions and a zero successor codebook: the same hidden states and drafted tokens as
+    the DFlash drafter with the same backbone weights."""
+    data, feats, anchors, anchor_cu = batch
+    torch.manual_seed(3)
+    d2 = DFlashDrafter(SPEC)
+    d1 = DFlashDrafter(replace(SPEC, variant="dflash"))
+    missing = d2.load_state_dict(d1.state_dict(), strict=False).missing_keys
+    assert missing and all("conv" in k or "candidate_selector" in k for k in missing)
+    head = torch.nn.Linear(H, V, bias=False)
+    for d in (d1, d2):
+        d.attach_target_head(torch.nn.Embedding(V, H), head)
+        d._embed.weight.data.copy_(torch.arange(V * H, dtype=torch.float32).view(V, H).sin())
+    starts = data.cu_seqlens[:-1].repeat_interleave(anchor_cu[1:] - anchor_cu[:-1])
+    h1, h2 = (d.draft_hidden(d.context(feats), data.input_ids, data.position_ids, anchors, starts) for d in (d1, d2))
+    torch.testing.assert_close(h2, h1, rtol=0, atol=0)
+    assert torch.equal(d2.block_tokens(h2, data.input_ids[anchors]), d1.block_tokens(h1, data.input_ids[anchors]))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = load_config(overrides=["model.draft.variant=dflash2", "model.draft.num_layers=2", "objective.block_size=6",
+                                 "model.draft.selector_top_k=6", "model.draft.selector_rank=16"])
+    target = build_target(cfg, CPU)
+    spec = draft_spec(cfg, target)
+    return cfg, target, spec
+
+
+def test_the_decoder_walks_the_selector_and_stays_exact(tiny):
+    cfg, target, spec = tiny
+    drafter = trained_like(build_drafter(spec, target, seed=2, device=CPU).eval(), seed=4)
+    prompts = [list(range(3, 20)), [5, 9, 2, 77, 31, 8, 8, 100, 64]]
+    walked_elsewhere = 0
+    for p in prompts:
+        ref_out, ref_acc = speculative_generate(target, drafter, p, 30)
+        out = speculative(target, drafter, p, 30)
+        assert out.tokens == ref_out == target_greedy(target, p, 30).tokens
+        assert out.accepted == ref_acc
+        cache = ContextDrafter(drafter, 64)
+        feats, _ = target.capture(torch.tensor(p), torch.tensor([0, len(p)]), torch.arange(len(p)),
+                                  list(spec.target_layer_ids))
+        cache.add(feats[:-1])
+        hidden = _block_hidden(drafter, feats, p)
+        argmax = drafter.lm_head(hidden)[0, 1:].argmax(-1).tolist()
+        walked_elsewhere += cache.propose(p) != argmax
+    assert walked_elsewhere  # the proposals are the walk's, not the unary argmax
+
+
+def _block_hidden(drafter, feats, seq):
+    n = len(seq)
+    ids = torch.tensor(seq)
+    anchor = torch.tensor([n - 1])
+    return drafter.draft_hidden(drafter.context(feats[:n]), ids, torch.arange(n), anchor, torch.zeros(1, dtype=torch.long))
+
+
+# The z-lab fixture (z-lab/dflash tests/fixtures/dflash2-safetensors-header.json): per layer the DFlash
+# layer's tensors plus these, and the selector's three tensors; its shapes, as functions of the config.
+FIXTURE_LAYER_EXTRA = {"attention_conv.base_kernel": lambda s: [2, s.conv_kernel_size, s.hidden_size],
+                       "attention_conv.kernel_projection.weight":
+                           lambda s: [2 * s.conv_kernel_size * s.hidden_size // s.conv_group_size, s.hidden_size],
+                       "mlp_conv.base_kernel": lambda s: [2, s.conv_kernel_size, s.hidden_size],
+                       "mlp_conv.kernel_projection.weight":
+                           lambda s: [2 * s.conv_kernel_size * s.hidden_size // s.conv_group_size, s.hidden_size]}
+FIXTURE_SELECTOR = {"candidate_selector.hidden_projection.weight": lambda s: [s.selector_rank, s.hidden_size],
+                    "candidate_selector.predecessor_codebook": lambda s: [s.vocab_size, s.selector_rank],
+                    "candidate_selector.successor_codebook": lambda s: [s.vocab_size, s.selector_rank]}
+FIXTURE_DFLASH_CONFIG = {"block_size", "conv_group_size", "conv_kernel_size", "final_logit_softcapping",
+                         "mask_token_id", "output_multiplier", "selector_rank", "selector_top_k", "target_layer_ids"}
+
+
+def test_export_writes_the_z_lab_dflash2_contract(tmp_path):
+    """The fixture's shape scaled down: 5 layers, kv heads a quarter of the heads, group 16, top-16."""
+    cfg = load_config(overrides=["model.draft.variant=dflash2", "model.draft.num_layers=5", "model.draft.num_heads=4",
+                                 "model.draft.num_kv_heads=1", "objective.block_size=16",
+                                 "model.draft.selector_rank=32", "model.draft.output_multiplier=0.196",
+                                 "model.draft.final_logit_softcapping=20"])
+    target = build_target(cfg, CPU)
+    spec = draft_spec(cfg, target)
+    drafter = trained_like(build_drafter(spec, target, seed=1, device=CPU))
+    out = export_drafter(spec, drafter.state_dict(), tmp_path / "export", dtype=torch.float32)
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["architectures"] == ["DFlash2DraftModel"]
+    assert set(conf["dflash_config"]) == FIXTURE_DFLASH_CONFIG
+    assert conf["dflash_config"]["selector_top_k"] == 16 and conf["dflash_config"]["conv_group_size"] == 16
+    assert conf["dflash_config"]["output_multiplier"] == 0.196 and conf["dflash_config"]["block_size"] == 16
+    assert conf["layer_types"] == ["full_attention"] * 5 and conf["use_sliding_window"] is False
+    tensors = load_file(str(out / "model.safetensors"))
+    dflash = {k for k in DFlashDrafter(replace(spec, variant="dflash")).state_dict()}
+    extra = {f"layers.{i}.{k}": f(spec) for i in range(5) for k, f in FIXTURE_LAYER_EXTRA.items()}
+    extra.update({k: f(spec) for k, f in FIXTURE_SELECTOR.items()})
+    assert set(tensors) == dflash | set(extra)
+    assert {k: list(tensors[k].shape) for k in extra} == extra
+    back = load_drafter(out)
+    assert back.spec == spec
+    for k, v in drafter.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
+    card = (out / "README.md").read_text()
+    assert "DFlash2DraftModel" in card and '"num_speculative_tokens": 15' in card and "DFLASH" in card
+
+
+def test_bad_dflash2_keys_name_the_key():
+    with pytest.raises(ConfigError, match="model.draft.variant"):
+        load_config(overrides=["model.draft.variant=dflash3"])
+    for key, value in (("conv_group_size", 24), ("selector_top_k", 129)):
+        cfg = load_config(overrides=["model.draft.variant=dflash2", f"model.draft.{key}={value}"])
+        with pytest.raises(ConfigError, match=f"model.draft.{key}"):
+            draft_spec(cfg, build_target(cfg, CPU))
+
+
+def test_step_stats_carry_the_unary_figures_beside_the_selectors():
+    s = StepStats(block_size=3, loss_sum=5.0, weight_sum=2.0, accept_sum=7.0, blocks=4, unary_accept_sum=6.0,
+                  selector_loss_sum=1.0, selector_blocks=4, correct=torch.tensor([0.0, 3, 2]),
+                  valid=torch.tensor([0.0, 4, 4]), unary_correct=torch.tensor([0.0, 2, 1]),
+                  topk_hits=torch.tensor([0.0, 4, 3]))
+    back = StepStats.unpack(s.pack(CPU), 3)
+    assert back.accuracy() == [0.75, 0.5]
+    assert back.selector_figures() == {"unary_acc": 3 / 8, "unary_accept_len": 1.5, "topk_recall": 7 / 8,
+                                       "selector_loss": 0.5}
+    assert StepStats.unpack(StepStats(block_size=3).pack(CPU), 3).selector_figures() == {}
