@@ -102,6 +102,15 @@ class DraftConfig:
     mask_token_id: int = num(-1, ge=-1)  # -1: the tokenizer's mask token / first unused row (hf), last row (tiny)
     seed: int = num(4321, ge=0)  # drafter initialisation
     checkpoint_layers: bool = False  # recompute each draft layer in backward (activations: one layer's)
+    # dflash: the DFlash drafter; dflash2: DFlash 2 (models/dflash2.py), a grouped dynamic convolution
+    # around each attention and MLP sublayer and a candidate path selector over the unary top-K.
+    variant: str = "dflash"
+    conv_kernel_size: int = num(2, ge=1)  # dflash2: taps of the convolution (in-block rows it reads)
+    conv_group_size: int = num(16, ge=1)  # dflash2: channels per delta group (must divide the hidden size)
+    selector_top_k: int = num(16, ge=1)  # dflash2: candidates per drafted position
+    selector_rank: int = num(256, ge=1)  # dflash2: rank R of the codebooks (vocab x R each)
+    output_multiplier: float = num(1.0, gt=0)  # dflash2: the selector's unary logits x this, then soft-capped
+    final_logit_softcapping: float = num(0.0, ge=0)  # dflash2: cap * tanh(z / cap); 0 = none
 
 
 @dataclass
@@ -167,6 +176,10 @@ class ObjectiveConfig:
     # divided by the step's (or batch's) number of blocks instead of its weight sum. Hard labels only.
     position_weights: str = "gamma"
     dpace_alpha: float = num(0.5, gt=0, le=1)  # D-PACE's confidence smoothing (1 - a) * q + a (the paper's 0.5)
+    # dflash2: weight alpha of the selector's K-way cross-entropy (training/selector.py) beside the unary
+    # loss (1.0: speculators' and SpecForge's default); selector_detach: none of its gradient into the backbone.
+    selector_weight: float = num(1.0, ge=0)
+    selector_detach: bool = False
 
 
 @dataclass
@@ -256,6 +269,7 @@ _CHOICES = {
     "objective.labels": ("data", "target_argmax", "target_soft"),
     "objective.loss_norm": ("step", "batch"),
     "objective.position_weights": ("gamma", "dpace"),
+    "model.draft.variant": ("dflash", "dflash2"),
     "transport.dtype": ("auto", "float32", "bfloat16", "float16"),
     "dist.backend": ("auto", "gloo", "nccl"),
     "wandb.mode": ("online", "offline", "disabled"),

@@ -239,11 +239,10 @@ class Drafter:
         m = drafter_step(self.state.model, d, packet.features, packet.target, anchors, anchor_cu, gamma=self.gamma,
                          anchor_chunk=o.anchor_chunk, loss_rows=o.loss_rows, scale=scale,
                          batch_mean=not self.step_norm, autocast=self.autocast,
-                         before_last_chunk=self.sharding.before_last_chunk, dpace_alpha=self.dpace_alpha)
-        stats.loss_sum, stats.weight_sum = m.loss_sum, m.weight_sum
-        stats.accept_sum, stats.blocks = m.accept_sum, m.num_blocks
+                         before_last_chunk=self.sharding.before_last_chunk, dpace_alpha=self.dpace_alpha,
+                         selector_weight=o.selector_weight, selector_detach=o.selector_detach)
+        stats.take_metrics(m)  # device tensors stay on the device: packed there
         stats.tokens, stats.seqs, stats.batches = d.num_tokens, d.num_seqs, 1
-        stats.correct, stats.valid = m.correct, m.valid  # still on the device: packed there
 
     def _reduce(self, stats: StepStats) -> StepStats:
         """Sum the step's stats over drafters (and take the newest target counters)."""
