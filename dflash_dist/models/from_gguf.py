@@ -172,12 +172,12 @@ def convert(gguf_file: Path, out_dir: Path, force: bool = False) -> Path:
     gguf_file, out_dir = Path(gguf_file), Path(out_dir)
     if not gguf_file.is_file():
         raise ConversionError(f"{gguf_file}: no such file")
-    check_supported(gguf_file)
     source = fingerprint(gguf_file)
     done = existing_conversion(out_dir)
-    if _same_source(done, source):
+    if _same_source(done, source):  # checked first: a cached target costs no transformers import
         log.info("%s already holds this GGUF's conversion: kept", out_dir)
         return out_dir
+    check_supported(gguf_file)
     if done is not None and not force:
         raise ConversionError(f"{out_dir} holds the conversion of another GGUF ({done.get('source')}): "
                               f"give --force to replace it")
