@@ -33,6 +33,12 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 [ -n "${KEEP_CWD:-}" ] || cd "$root"  # training's relative paths (configs/, runs/) are the repository's
 PYBIN=${PYBIN:-$root/.venv/bin}
 NPROC=${NPROC:-3}
+# A positive count, checked before torchrun: it fails on 0 or -1 after run.sh has nothing to read (the exit
+# was 0), and takes auto/cpu/gpu, which the exit-code loop below cannot count.
+if ! [[ $NPROC =~ ^[1-9][0-9]*$ ]]; then
+  echo "launch/run.sh: NPROC=$NPROC: must be a whole number of ranks per node >= 1" >&2
+  exit 2
+fi
 MODULE=${MODULE:-dflash_dist.train}
 SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-300}
 # (training only: vLLM, which regeneration runs, manages its own CUDA memory pool)

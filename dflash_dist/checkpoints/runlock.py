@@ -28,10 +28,11 @@ LOCK_FILE = ".lock"
 
 class RunLock:
     """`with RunLock(run_dir):` or `acquire()` / `release()`. Refuses (ConfigError) while another
-    process holds the lock of the same directory."""
+    process holds the lock of the same directory. `what`: the key or flag the refusal names (regeneration
+    locks its --output's parts directory)."""
 
-    def __init__(self, run_dir: str | os.PathLike):
-        self.run_dir = Path(run_dir)
+    def __init__(self, run_dir: str | os.PathLike, what: str = "train.run_dir"):
+        self.run_dir, self.what = Path(run_dir), what
         self.path = self.run_dir / LOCK_FILE
         self._fd: int | None = None
 
@@ -45,13 +46,13 @@ class RunLock:
         except OSError as exc:
             if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 os.close(fd)  # no flock on this filesystem: nothing can be enforced here
-                log.warning("cannot lock %s (%s): a second run on this train.run_dir would not be refused",
-                            self.path, exc)
+                log.warning("cannot lock %s (%s): a second run on this %s would not be refused",
+                            self.path, exc, self.what)
                 return self
             holder = _read_holder(fd)
             os.close(fd)
-            raise ConfigError(f"train.run_dir {self.run_dir} is in use by another run ({holder}); wait for it "
-                              "to end or stop it, or choose another train.run_dir") from None
+            raise ConfigError(f"{self.what} {self.run_dir} is in use by another run ({holder}); wait for it "
+                              f"to end or stop it, or choose another {self.what}") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"host {socket.gethostname()} pid {os.getpid()} since "
                       f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)

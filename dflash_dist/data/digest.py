@@ -33,6 +33,16 @@ def _sha256(arr: np.ndarray, pool: ThreadPoolExecutor) -> str:
     return h.hexdigest()
 
 
+def file_digest(path) -> str:
+    """sha256 of a file's bytes, read in chunks (a regeneration's input: its resume key holds it, so an
+    edit that keeps the size and mtime is found)."""
+    t0 = time.perf_counter()
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    log.info("%s: sha256 of %d bytes in %.1fs", path, os.path.getsize(path), time.perf_counter() - t0)
+    return digest
+
+
 def dataset_digest(ds) -> dict:
     """{"samples", "tokens", "offsets", "loss_mask"}: the sample count and the arrays' sha256 (cached on
     `ds`, which is immutable)."""

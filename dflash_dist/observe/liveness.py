@@ -27,8 +27,10 @@ DONE, FAILED = "done", "failed:"
 
 
 class Liveness:
-    def __init__(self, rank: int, world: int, role_of, heartbeat_s: float, dead_after_s: float, store=None):
+    def __init__(self, rank: int, world: int, role_of, heartbeat_s: float, dead_after_s: float, store=None,
+                 dead_after_name: str = "dist.dead_after_s"):
         self.rank, self.world, self.role_of = rank, world, role_of
+        self.dead_after_name = dead_after_name  # the setting named when a peer is reported silent
         self.heartbeat_s, self.dead_after_s = heartbeat_s, dead_after_s
         self.store = store if store is not None else dist.distributed_c10d._get_default_store()
         self.prefix = f"dflash/hb/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
@@ -100,7 +102,7 @@ class Liveness:
                     last[r] = (v, now)
                 elif now - last[r][1] > self.dead_after_s:
                     self._die(f"rank {r} ({self.role_of(r)}) went silent: no heartbeat for "
-                              f"{now - last[r][1]:.1f}s (dist.dead_after_s={self.dead_after_s})")
+                              f"{now - last[r][1]:.1f}s ({self.dead_after_name}={self.dead_after_s:g})")
 
     def _die(self, why: str, code: int = EXIT_PEER_LOST) -> None:
         if self._stop.is_set():

@@ -6,8 +6,13 @@
     OUTPUT.parts/progress-rank3.json  rank 3's running totals (for rank 0's progress line)
 
 Chunk c belongs to rank c mod world (the chunk index fixes its content; the world size only who does
-it, so a resume may use another number of ranks). When every chunk is finished, rank 0 concatenates them
-into OUTPUT and writes OUTPUT's meta file (both atomically), then removes the parts directory.
+it, so a resume may use another number of ranks). When every chunk is finished, rank 0 writes OUTPUT's
+meta file, then OUTPUT (both atomically), then removes the parts directory: a failure anywhere before
+OUTPUT appears leaves the parts, which the same command merges again.
+
+A write that fails (a full disk, a quota, a read-only remount) raises WriteError naming the file, after
+removing the temporary file it was writing: nothing hidden is left behind, and what was written before
+is whole, so the same command resumes once there is room.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import json
 import logging
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -25,6 +31,35 @@ log = logging.getLogger(__name__)
 
 class KeyMismatch(ValueError):
     pass
+
+
+class WriteError(OSError):
+    """A file of the run could not be written; the message names it. Bad input for the exit code (2): the
+    place must be fixed (room made), not the run retried as it is."""
+
+
+@contextmanager
+def writing(path: Path, tmp: Path | None = None):
+    """Turn an OSError while writing `path` into WriteError naming it; remove `tmp` (its temporary) first."""
+    try:
+        yield
+    except OSError as exc:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+        if isinstance(exc, WriteError):
+            raise
+        raise WriteError(exc.errno, f"cannot write {path}: {exc.strerror or exc}; what was finished before is "
+                                    "kept: make room and rerun the same command to resume") from exc
+
+
+def tmp_path(path: Path) -> Path:
+    """The hidden sibling a file is written to before its rename (write_json's naming)."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def save_json(path: Path, obj: Any) -> None:
+    with writing(path):  # write_json removes its own temporary file on failure
+        write_json(path, obj)
 
 
 def parts_dir(output: Path) -> Path:
@@ -54,7 +89,7 @@ def claim(parts: Path, key: dict[str, Any]) -> None:
     parts.mkdir(parents=True, exist_ok=True)
     path = parts / "key.json"
     if not path.exists():
-        write_json(path, key)  # ranks racing here write the same content; the rename is atomic
+        save_json(path, key)  # ranks racing here write the same content; the rename is atomic
     old = json.loads(path.read_text())
     if old != key:
         diff = sorted(k for k in set(old) | set(key) if old.get(k) != key.get(k))
@@ -85,13 +120,14 @@ def chunk_lines(path: Path, chunk_size: int, todo: set[int]) -> Iterator[tuple[i
 def write_chunk(parts: Path, c: int, out_lines: list[str], counts: dict[str, Any]) -> None:
     """The chunk's lines, then its counts: a chunk with a counts file is whole."""
     data, done = chunk_paths(parts, c)
-    tmp = data.with_name(f".{data.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(line + "\n" for line in out_lines)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, data)
-    write_json(done, counts)
+    tmp = tmp_path(data)
+    with writing(data, tmp):
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(line + "\n" for line in out_lines)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, data)
+    save_json(done, counts)
 
 
 def read_counts(parts: Path, c: int) -> dict[str, Any]:
@@ -99,15 +135,19 @@ def read_counts(parts: Path, c: int) -> dict[str, Any]:
 
 
 def merge(parts: Path, output: Path, num_chunks: int, meta: dict[str, Any]) -> None:
-    """Concatenate the chunks into OUTPUT (atomically), write its meta file, remove the parts."""
-    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as out:
-        for c in range(num_chunks):
-            with open(chunk_paths(parts, c)[0], "rb") as f:
-                shutil.copyfileobj(f, out, 1 << 24)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, output)
-    fsync_dir(output.parent)
-    write_json(meta_path(output), meta)
+    """Write OUTPUT's meta file, then the chunks concatenated into OUTPUT (atomically), then remove the
+    parts. The meta first: OUTPUT's existence is what a rerun reads as "done", so it must come last."""
+    for stale in output.parent.glob(f".{output.name}.tmp-*"):  # a killed merge's (the caller holds the run lock)
+        stale.unlink(missing_ok=True)
+    save_json(meta_path(output), meta)
+    tmp = tmp_path(output)
+    with writing(output, tmp):
+        with open(tmp, "wb") as out:
+            for c in range(num_chunks):
+                with open(chunk_paths(parts, c)[0], "rb") as f:
+                    shutil.copyfileobj(f, out, 1 << 24)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, output)
+        fsync_dir(output.parent)
     shutil.rmtree(parts)

@@ -6,6 +6,11 @@ is rendered, so every later turn continues the target's own conversation. All co
 in flight at once: the vLLM engine takes a conversation's next turn as soon as its reply ends (continuous
 batching); the hf engine batches turn t of every conversation together. A conversation whose reply reaches the token limit is dropped under --on-length drop (its
 later turns are not generated) or kept cut under keep; either way it is counted.
+
+Faults (docs/operations.md, "Regeneration under faults"): rank 0 holds the run lock of --output (one run per
+output); under torchrun the ranks watch each other's heartbeats (peers.py: a dead peer is named, every rank
+exits 3); a write that fails (a full disk) exits 2 naming the file with every finished chunk kept; a run
+whose every conversation was skipped exits 2, saying so.
 """
 from __future__ import annotations
 
@@ -19,12 +24,15 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dflash_dist.checkpoints.runlock import RunLock
+from dflash_dist.data.digest import file_digest
 from dflash_dist.data.prepare import Skip
-from dflash_dist.exits import EXIT_RESUME  # stopped on request, finished chunks kept: rerun to resume
+from dflash_dist.exits import EXIT_BAD_INPUT, EXIT_PEER_LOST, EXIT_RESUME  # 75: finished chunks kept, rerun
 from dflash_dist.data.regen import chunks
 from dflash_dist.data.regen.chat import SKIP_REASONS, ChatRenderer, Conversation, parse_line, stop_token_ids
 from dflash_dist.data.regen.engine import Engine, EngineSpec, Generated, Request, Sampling
 from dflash_dist.data.regen.engines import build_engine
+from dflash_dist.data.regen.peers import GO, END, PeerLost, Peers
 from dflash_dist.data.regen.progress import RankProgress, Reporter
 
 log = logging.getLogger(__name__)
@@ -42,6 +50,8 @@ class Job:
     enable_thinking: bool | None = None  # None: the chat template's default
     chunk_size: int = 2000
     progress_s: float = 30.0
+    heartbeat_s: float = 1.0  # under torchrun: the ranks' heartbeats (peers.py)
+    dead_after_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -82,10 +92,10 @@ class StopSignal:
 
 
 def job_key(job: Job) -> dict:
-    """What a chunk's content depends on (not the number of ranks, nor where the output goes)."""
-    st = job.input.stat()
-    return {"format": 1, "input": str(job.input.absolute()), "input_size": st.st_size,
-            "input_mtime_ns": st.st_mtime_ns, "target": str(Path(job.engine.target).absolute()),
+    """What a chunk's content depends on (not the number of ranks, nor where the output goes). The input
+    by its content: an edit that keeps its size and mtime (sed, then touch -r; cp -p; rsync -a) is another job."""
+    return {"format": 3, "input": str(job.input.absolute()), "input_size": job.input.stat().st_size,
+            "input_sha256": file_digest(job.input), "target": str(Path(job.engine.target).absolute()),
             "tokenizer": str(Path(job.engine.tokenizer).absolute()), "engine": job.engine.name,
             "dtype": job.engine.dtype, "max_model_len": job.engine.max_model_len, "sampling": asdict(job.sampling),
             "on_length": job.on_length, "enable_thinking": job.enable_thinking, "chunk_size": job.chunk_size}
@@ -110,6 +120,9 @@ class ChunkWorker:
         self.logged[reason] += 1
         level = logging.WARNING if self.logged[reason] <= LOGGED_PER_REASON else logging.DEBUG
         log.log(level, "%s:%d: skipped (%s): %s", self.job.input, line_no, reason, message)
+        if self.logged[reason] == LOGGED_PER_REASON:
+            log.warning("later %s skips of this rank are not logged one by one: the progress line and the final "
+                        "line count them all (and OUTPUT's meta file)", reason)
 
     def run(self, lines: list[tuple[int, bytes]]) -> tuple[list[str], Counter]:
         counts: Counter = Counter(lines=len(lines))
@@ -125,7 +138,8 @@ class ChunkWorker:
         self.engine.serve(first, self.job.sampling, lambda r, g: self._reply(r, g, alive, counts))
         out = [c for c in convs if c.line_no in alive]
         counts.update(conversations_out=len(out), replies=sum(len(c.turns) for c in out),
-                      new_tokens=sum(c.new_tokens for c in out), cut_kept=sum(c.cut_turns > 0 for c in out))
+                      new_tokens=sum(c.new_tokens for c in out), cut_kept=sum(c.cut_turns > 0 for c in out),
+                      reasoning_content_dropped=sum(c.reasoning_dropped for c in out))
         return [c.to_line() for c in out], counts
 
     def _request(self, c: Conversation, t: int, alive: dict, counts: Counter) -> Request | None:
@@ -146,9 +160,10 @@ class ChunkWorker:
     def _reply(self, r: Request, g: Generated, alive: dict, counts: Counter) -> Request | None:
         """Turn t's reply goes into the conversation; returns its next turn's request, if any."""
         c, t = r.key
-        c.set_reply(c.turns[t], self.renderer.reply_text(g.ids))
+        c.set_reply(c.turns[t], self.renderer.reply_text(g.ids), g.ids, g.stopped)
         c.new_tokens += len(g.ids) + g.stopped  # the end token was generated too
-        self.progress.add(tokens=len(g.ids) + g.stopped)
+        self.progress.add(tokens=len(g.ids) + g.stopped, replies=1, cut=int(not g.stopped))
+        counts.update(replies_generated=1, replies_cut=int(not g.stopped))
         if not g.stopped:
             c.cut_turns += 1
             if self.job.on_length == "drop":
@@ -228,20 +243,64 @@ def work(job: Job, shard: Shard, stop: StopSignal, parts: Path, num_chunks: int,
     return True
 
 
+# What exits 2 (bad input: fix it, do not retry): the CLI maps these alike. A failed write (chunks.WriteError,
+# an OSError) is one: the disk must be given room first.
+BAD_INPUT = (ValueError, FileNotFoundError, FileExistsError, ImportError, chunks.WriteError)
+
+
+def exit_code_of(exc: BaseException) -> int:
+    if isinstance(exc, BAD_INPUT):
+        return EXIT_BAD_INPUT
+    return EXIT_PEER_LOST if isinstance(exc, PeerLost) else 1
+
+
 def run(job: Job, shard: Shard, engine: Engine | None = None) -> int:
-    """Exit code: 0 done (rank 0: OUTPUT written), 75 stopped by a signal with its chunks kept.
+    """Exit code: 0 done (rank 0: OUTPUT written), 75 stopped by a signal with its chunks kept, 2 nothing
+    usable was produced. Raises on bad input (BAD_INPUT: exit 2). Under torchrun (world > 1) the ranks
+    watch each other from the start (peers.py): every rank leaves within --dead-after-s of a peer's death.
     `engine`: one already built for job.engine (the tests share one vLLM start between jobs)."""
     stop = StopSignal().install()
+    peers, code, why = None, 1, ""
     try:
-        return _run(job, shard, stop, engine)
+        if shard.world > 1:
+            peers = Peers(shard.rank, shard.world, job.heartbeat_s, job.dead_after_s, join_s=max(60.0, 10 * job.dead_after_s))
+        code = _run(job, shard, stop, engine, peers)
+        return code
+    except BaseException as exc:
+        code, why = exit_code_of(exc), f"{type(exc).__name__}: {exc}"
+        raise
     finally:
+        if peers is not None:
+            peers.leave(code, why)
         stop.restore()
 
 
-def _run(job: Job, shard: Shard, stop: StopSignal, engine: Engine | None) -> int:
+def _run(job: Job, shard: Shard, stop: StopSignal, engine: Engine | None, peers: Peers | None) -> int:
     parts = chunks.parts_dir(job.output)
-    key = job_key(job)
-    chunks.claim(parts, key)
+    # One run per --output: rank 0 holds the lock (the kernel drops it however the process ends); the other
+    # ranks start only once it is taken, so a refused second run touches nothing of the first's.
+    lock = RunLock(parts, what="--output") if shard.rank == 0 else None
+    try:
+        if lock is not None:
+            with chunks.writing(parts / ".lock"):
+                lock.acquire()
+            key = job_key(job)
+            chunks.claim(parts, key)
+            if peers is not None:
+                peers.go(key)
+        else:
+            if not peers.wait_for(GO, lambda: stop.name):
+                return EXIT_RESUME
+            key = peers.job_key()
+            chunks.claim(parts, key)
+        return _regenerate(job, shard, stop, engine, peers, parts, key)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _regenerate(job: Job, shard: Shard, stop: StopSignal, engine: Engine | None, peers: Peers | None,
+                parts: Path, key: dict) -> int:
     total = chunks.count_lines(job.input)
     num_chunks = math.ceil(total / job.chunk_size)
     reporter = None
@@ -253,10 +312,12 @@ def _run(job: Job, shard: Shard, stop: StopSignal, engine: Engine | None) -> int
             log.warning("stopped by %s: finished chunks are kept in %s; rerun the same command to resume", stop.name,
                         parts)
             return EXIT_RESUME
-        if shard.rank != 0:
-            return 0
+        if shard.rank != 0:  # rank 0 merges; this rank watches it until it is done
+            return 0 if peers.wait_for(END, lambda: stop.name) and not peers.peer_stopped() else EXIT_RESUME
         while not all(chunks.finished(parts, c) for c in range(num_chunks)):  # the other ranks' chunks
-            if stop.name:
+            if stop.name or (peers is not None and peers.peer_stopped()):
+                log.warning("stopped (%s) before every rank's chunks were done: finished chunks are kept in %s; "
+                            "rerun the same command to resume", stop.name or "a peer stopped", parts)
                 return EXIT_RESUME
             time.sleep(1.0)
     finally:
@@ -265,7 +326,21 @@ def _run(job: Job, shard: Shard, stop: StopSignal, engine: Engine | None) -> int
     meta = {"made_by": "dflash_dist.data.regenerate", "input_lines": total, **summed(
         [chunks.read_counts(parts, c) for c in range(num_chunks)]), "job": key}
     chunks.merge(parts, job.output, num_chunks, meta)
-    log.info("wrote %s: %d conversations from %d lines, %d new tokens; skipped %s", job.output,
-             meta.get("conversations_out", 0), total, meta.get("new_tokens", 0),
-             {k: v for k, v in meta["skipped"].items() if v})
+    return final_report(job, meta)
+
+
+def final_report(job: Job, meta: dict) -> int:
+    """The last line, with every skip counted; exit 2 when no conversation came out (nothing to train on)."""
+    skipped = {k: v for k, v in meta["skipped"].items() if v}
+    replies, cut = meta.get("replies_generated", 0), meta.get("replies_cut", 0)
+    cut_share = f"; {cut} of {replies} generated replies reached the token limit ({100.0 * cut / replies:.1f}%)" \
+        if replies else ""
+    log.info("wrote %s: %d conversations from %d lines, %d new tokens; skipped %s%s", job.output,
+             meta.get("conversations_out", 0), meta["input_lines"], meta.get("new_tokens", 0), skipped, cut_share)
+    if meta.get("conversations_out", 0) == 0:
+        hint = (" (--on-length drop: raise --max-new-tokens, or --on-length keep)"
+                if skipped.get("cut") else "")
+        log.error("%s holds no conversation: all %d input lines were skipped (%s)%s; nothing usable was produced",
+                  job.output, meta["input_lines"], skipped, hint)
+        return EXIT_BAD_INPUT
     return 0

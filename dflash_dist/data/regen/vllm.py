@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 
+from dflash_dist.data.regen import reaper
 from dflash_dist.data.regen.engine import EngineSpec, Generated, OnReply, Request, Sampling, finish
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class VllmEngine:
         import torch
         from vllm import LLM
         on_cpu = not torch.cuda.is_available()
+        self.reaper = reaper.start()  # its processes die with this one, however it ends (reaper.py)
         self.llm = LLM(**_llm_kwargs(spec, on_cpu))
         self.stop_ids = frozenset(stop_ids)
         self.context_len = int(self.llm.llm_engine.model_config.max_model_len)

@@ -1,0 +1,308 @@
+"""Regeneration under faults and bad input (issue 29): numeric flags refused by range, the input fingerprinted
+by content, a full disk at each write site (exit 2 naming the file, nothing hidden left, the same command
+resumes), one run per --output, a run that produced nothing usable, the progress line's honesty; as real
+processes (slow): a dead rank on another node, vLLM's engine processes outliving a killed rank, the launch
+scripts' NPROC and TENSOR_PARALLEL."""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import wait_for
+
+from dflash_dist.bench.regenerate import conversations, make_target, write_jsonl
+from dflash_dist.data.regen import chunks, cli
+from dflash_dist.data.regen.progress import MIN_RATE_S, status_line
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    return make_target(tmp_path_factory.mktemp("faults") / "target")
+
+
+@pytest.fixture(scope="module")
+def engine(target):
+    from dflash_dist.data.regen.chat import stop_token_ids
+    from dflash_dist.data.regen.engine import EngineSpec
+    from dflash_dist.data.regen.engines import build_engine
+    from dflash_dist.data.regen.run import generation_config, load_tokenizer
+    stops = stop_token_ids(load_tokenizer(str(target)), generation_config(str(target)))
+    return build_engine(EngineSpec(name="hf", target=str(target), tokenizer=str(target)), stops)
+
+
+def argv(target: Path, src: Path, out: Path, *extra: str) -> list[str]:
+    return ["--target", str(target), "--input", str(src), "--output", str(out), "--engine", "hf",
+            "--max-new-tokens", "12", "--on-length", "keep", "--chunk-size", "2", *extra]
+
+
+def hidden(*dirs: Path) -> list[str]:
+    """Temporary files left behind (the parts directory's run lock is no partial file)."""
+    return sorted(p.name for d in dirs if d.is_dir() for p in d.glob(".*") if p.name != ".lock")
+
+
+# ----------------------------------------------------------------------------- flags and the resume key
+
+@pytest.mark.parametrize("flag, value", [
+    ("--progress-s", "0"), ("--progress-s", "-1"), ("--temperature", "inf"), ("--temperature", "nan"),
+    ("--temperature", "-0.5"), ("--top-p", "0"), ("--top-p", "1.5"), ("--kv-cache-gib", "0"),
+    ("--kv-cache-gib", "nan"), ("--max-new-tokens", "0"), ("--chunk-size", "1.5"), ("--seed", "-1"),
+    ("--gpu-memory-utilization", "2"), ("--max-num-seqs", "-3"), ("--dead-after-s", "0"), ("--heartbeat-s", "0"),
+])
+def test_numeric_flags_are_refused_by_their_range_before_any_work(tmp_path, capsys, flag, value):
+    # Nothing exists at these paths: a refusal for any other reason would name a path, not the flag.
+    code = cli.main(argv(tmp_path / "no-target", tmp_path / "no.jsonl", tmp_path / "out.jsonl", flag, value))
+    err = capsys.readouterr().err
+    assert code == 2 and f"argument {flag}: must be" in err, err
+
+
+def test_resume_key_holds_the_input_content(tmp_path):
+    """An input edited in place with the same size and mtime (sed, then touch -r; cp -p) is another job."""
+    from dflash_dist.data.regen.engine import EngineSpec, Sampling
+    from dflash_dist.data.regen.run import Job, job_key
+    src = write_jsonl(tmp_path / "chats.jsonl", conversations(4, seed=1))
+    job = Job(input=src, output=tmp_path / "out.jsonl", engine=EngineSpec(name="hf", target="t", tokenizer="t"),
+              sampling=Sampling(8))
+    before, st = job_key(job), src.stat()
+    text = src.read_text()
+    src.write_text(text.replace("a", "b", 1) if "a" in text else "x" + text[1:])
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert src.stat().st_size == st.st_size and src.stat().st_mtime_ns == st.st_mtime_ns
+    assert job_key(job) != before
+
+
+def test_progress_line_shows_no_rate_before_there_is_one_and_the_share_cut():
+    early = status_line(10, 300, 4000, 5.0, 0.01, measured_s=MIN_RATE_S / 3, replies=40, cut=30)
+    assert "ETA" in early and "tok/s" not in early and re.search(r"ETA \d", early) is None
+    assert "30/40 replies cut at the token limit (75.0%)" in early
+    later = status_line(150, 300, 40000, 200.0, 1.0, measured_s=MIN_RATE_S, replies=400, cut=100)
+    assert later.endswith("200.0 tok/s  ETA 0:02:30")
+
+
+# ------------------------------------------------------------------------- faults, one engine for all
+
+class FullDisk:
+    """os.fsync of the first file whose name matches `pattern` fails with ENOSPC, as a full disk makes a
+    write or its fsync fail (every write site of a regeneration fsyncs before its rename)."""
+
+    def __init__(self, monkeypatch, pattern: str):
+        self.pattern, self.hit, self.real = re.compile(pattern), None, os.fsync
+        monkeypatch.setattr(os, "fsync", self)
+
+    def __call__(self, fd: int) -> None:
+        name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        if self.hit is None and self.pattern.search(name):
+            self.hit = name
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.real(fd)
+
+
+@pytest.fixture(scope="module")
+def whole(target, engine, tmp_path_factory) -> tuple[Path, bytes]:
+    """The input and the output a run without faults writes."""
+    d = tmp_path_factory.mktemp("whole")
+    src = write_jsonl(d / "chats.jsonl", conversations(6, seed=4))
+    assert cli.main(argv(target, src, d / "out.jsonl"), engine=engine) == 0
+    return src, (d / "out.jsonl").read_bytes()
+
+
+@pytest.mark.parametrize("site, pattern", [
+    ("the resume key", r"^\.key\.json\.tmp-"), ("a chunk's lines", r"^\.chunk-000001\.jsonl\.tmp-"),
+    ("a chunk's counts", r"^\.chunk-000001\.json\.tmp-"), ("the meta file", r"^\.out\.meta\.json\.tmp-"),
+    ("the merged output", r"^\.out\.jsonl\.tmp-"),
+])
+def test_full_disk_exits_2_naming_the_file_and_the_same_command_resumes(target, engine, whole, tmp_path,
+                                                                         monkeypatch, caplog, site, pattern):
+    src, expected = whole
+    out = tmp_path / "out.jsonl"
+    disk = FullDisk(monkeypatch, pattern)
+    with caplog.at_level(logging.INFO):
+        assert cli.main(argv(target, src, out), engine=engine) == 2
+    assert disk.hit, f"{site}: no write matched {pattern}"
+    named = disk.hit.split(".tmp-")[0].lstrip(".")
+    assert re.search(rf"cannot write \S*{re.escape(named)}: No space left on device", caplog.text), caplog.text
+    assert not out.exists() and hidden(tmp_path, chunks.parts_dir(out)) == []
+    monkeypatch.setattr(os, "fsync", disk.real)  # room again: the same command finishes the job
+    assert cli.main(argv(target, src, out), engine=engine) == 0
+    assert out.read_bytes() == expected and chunks.meta_path(out).is_file()
+    assert hidden(tmp_path) == [] and not chunks.parts_dir(out).exists()
+
+
+def test_a_progress_file_that_cannot_be_written_costs_a_warning_not_the_run(target, engine, whole, tmp_path,
+                                                                            monkeypatch, caplog):
+    src, expected = whole
+    out = tmp_path / "out.jsonl"
+    disk = FullDisk(monkeypatch, r"^\.progress-rank0\.json\.tmp-")
+    with caplog.at_level(logging.INFO):
+        assert cli.main(argv(target, src, out), engine=engine) == 0
+    assert disk.hit and "progress-rank0.json (No space left on device)" in caplog.text
+    assert out.read_bytes() == expected and hidden(tmp_path) == []
+
+
+def test_a_second_run_on_the_same_output_is_refused_naming_the_first(target, engine, tmp_path, caplog):
+    """The second run starts while the first one generates (from inside its engine): refused with exit 2,
+    naming the first run's host and pid; the first finishes unharmed."""
+    src = write_jsonl(tmp_path / "chats.jsonl", conversations(4, seed=2))
+    out = tmp_path / "out.jsonl"
+    second = []
+
+    class Meanwhile:
+        def __init__(self, inner):
+            self.inner, self.context_len = inner, inner.context_len
+
+        def serve(self, requests, sampling, on_reply):
+            if not second:
+                second.append(cli.main(argv(target, src, out), engine=engine))
+            return self.inner.serve(requests, sampling, on_reply)
+
+    with caplog.at_level(logging.INFO):
+        assert cli.main(argv(target, src, out), engine=Meanwhile(engine)) == 0
+    assert second == [2]
+    assert re.search(rf"--output \S+ is in use by another run \(host \S+ pid {os.getpid()} since", caplog.text), \
+        caplog.text
+    assert json.loads(chunks.meta_path(out).read_text())["conversations_out"] == 4
+
+
+def test_a_run_that_produced_nothing_usable_exits_2_and_counts_every_cut(target, engine, tmp_path, caplog):
+    """--on-length drop at one new token cuts every reply: the run says so (exit 2), logs 20 skips and that
+    the rest are not logged one by one, and its last line gives the total and the share cut."""
+    src = write_jsonl(tmp_path / "chats.jsonl", conversations(24, seed=3))
+    out = tmp_path / "out.jsonl"
+    args = [a if a != "keep" else "drop" for a in argv(target, src, out, "--chunk-size", "30")]
+    args[args.index("--max-new-tokens") + 1] = "1"
+    with caplog.at_level(logging.INFO):
+        assert cli.main(args, engine=engine) == 2
+    text = caplog.text
+    assert text.count("skipped (cut)") == 20 and "later cut skips of this rank are not logged one by one" in text
+    assert "24 of 24 generated replies reached the token limit (100.0%)" in text
+    assert "holds no conversation: all 24 input lines were skipped" in text and "--on-length keep" in text
+
+
+# ------------------------------------------------------------------------------ real processes (slow)
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def regen_workers(root_pid: int) -> dict[int, int]:
+    """{RANK: pid} of the regeneration workers below `root_pid` (from their environment)."""
+    from dflash_dist.data.regen.reaper import descendants
+    out = {}
+    for pid in descendants(root_pid):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if b"dflash_dist.data.regenerate" in cmd and b"torch.distributed" not in cmd and b"RANK" in env:
+            out[int(env[b"RANK"])] = pid
+    return out
+
+
+@pytest.mark.slow
+def test_a_dead_rank_on_another_node_ends_rank_0_with_exit_3_naming_it(target, tmp_path):
+    """Two torchrun agents (--nnodes=2, c10d rendezvous on loopback), one rank each: SIGKILL of the other
+    node's rank; rank 0 names it and exits 3 within --dead-after-s and a margin (it used to poll forever)."""
+    src = write_jsonl(tmp_path / "chats.jsonl", conversations(200, seed=9))
+    out = tmp_path / "out.jsonl"
+    port = free_port()
+    env = dict(ENV, MODULE="dflash_dist.data.regenerate", KEEP_CWD="1", PYBIN=str(Path(sys.executable).parent),
+               NNODES="2", NPROC="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RDZV_ID=f"faults-{port}",
+               SHUTDOWN_TIMEOUT="10")
+    cmd = ["bash", str(ROOT / "launch" / "run.sh"),
+           *argv(target, src, out, "--batch-size", "1", "--dead-after-s", "5", "--heartbeat-s", "0.5")]
+    logs = [open(tmp_path / f"node{n}.log", "w") for n in (0, 1)]
+    nodes = []
+    try:
+        for n in (0, 1):  # the first agent hosts the rendezvous store
+            nodes.append(subprocess.Popen(cmd, env=dict(env, NODE_RANK=str(n)), stdout=logs[n],
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+            if n == 0:
+                wait_for(lambda: socket.socket().connect_ex(("127.0.0.1", port)) == 0, 60, "the rendezvous store")
+        ranks = {}
+        wait_for(lambda: ranks.update({(n, r): p for n in (0, 1) for r, p in regen_workers(nodes[n].pid).items()})
+                 or len(ranks) == 2, 120, "both ranks")
+        (host_node, _), = [k for k in ranks if k[1] == 0]
+        (victim_node, victim_rank), = [k for k in ranks if k[1] != 0]
+        assert victim_node != host_node
+        wait_for(lambda: (chunks.parts_dir(out) / f"progress-rank{victim_rank}.json").exists(), 180,
+                 "rank 1 at work")
+        os.kill(ranks[(victim_node, victim_rank)], signal.SIGKILL)
+        t0 = time.monotonic()
+        code = nodes[host_node].wait(timeout=60)
+        took = time.monotonic() - t0
+        nodes[victim_node].wait(timeout=60)
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    text = (tmp_path / f"node{host_node}.log").read_text()
+    assert code == 3, text[-3000:]
+    assert re.search(rf"rank {victim_rank} \(regeneration\) went silent: no heartbeat for [\d.]+s "
+                     r"\(--dead-after-s=5\)", text), text[-3000:]
+    assert "local ranks' exit codes: 3 -> exit 3" in text
+    print(f"rank 0 out {took:.1f} s after the SIGKILL (--dead-after-s 5)")
+    assert not out.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_vllm_engine_processes_die_with_a_killed_rank(target, tmp_path):
+    src = write_jsonl(tmp_path / "chats.jsonl", conversations(400, seed=7))
+    out = tmp_path / "out.jsonl"
+    args = [a if a != "hf" else "vllm" for a in argv(target, src, out, "--chunk-size", "8", "--kv-cache-gib", "0.25")]
+    log = open(tmp_path / "run.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_dist.data.regenerate", *args], env=ENV, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    from dflash_dist.data.regen.reaper import descendants
+    engine_procs: dict[int, int] = {}
+    try:
+        wait_for(lambda: (chunks.parts_dir(out) / "chunk-000000.json").exists(), 600, "a finished chunk")
+        engine_procs.update({p: s for p, s in descendants(proc.pid).items()
+                        if b"VLLM" in Path(f"/proc/{p}/cmdline").read_bytes()
+                        or b"VLLM" in Path(f"/proc/{p}/comm").read_bytes()})
+        assert engine_procs, (tmp_path / "run.log").read_text()[-3000:]
+        proc.kill()
+        proc.wait(timeout=30)
+        wait_for(lambda: not any(Path(f"/proc/{p}").exists() for p in descendants_left(engine_procs)), 30,
+                 "the engine processes to die")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in descendants_left(engine_procs):
+            os.kill(p, signal.SIGKILL)
+
+
+def descendants_left(procs: dict[int, int]) -> list[int]:
+    from dflash_dist.data.regen.reaper import _alive
+    return [p for p, start in procs.items() if _alive(p, start)]
+
+
+@pytest.mark.parametrize("nproc", ["0", "-1", "auto", "cpu", "gpu", "2x"])
+def test_run_sh_refuses_a_bad_nproc_before_torchrun(tmp_path, nproc):
+    res = subprocess.run(["bash", str(ROOT / "launch" / "run.sh")], capture_output=True, text=True, timeout=30,
+                         env=dict(os.environ, NPROC=nproc, PYBIN=str(tmp_path)))  # no torchrun there
+    assert res.returncode == 2 and f"NPROC={nproc}: must be a whole number" in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("tp, gpus", [("16", "8"), ("0", "8"), ("two", "8")])
+def test_regenerate_sbatch_refuses_an_impossible_tensor_parallel(tmp_path, tp, gpus):
+    res = subprocess.run(["bash", str(ROOT / "slurm" / "regenerate.sbatch")], capture_output=True, text=True,
+                         timeout=30, cwd=tmp_path, env=dict(os.environ, DFLASH_ROOT=str(ROOT), TENSOR_PARALLEL=tp,
+                                                            SLURM_GPUS_ON_NODE=gpus, SLURM_SUBMIT_DIR=str(tmp_path)))
+    assert res.returncode == 2 and f"TENSOR_PARALLEL={tp}" in res.stderr, res.stderr
