@@ -265,7 +265,8 @@ def test_one_rank_per_node_has_no_split_but_a_forecast():
 @pytest.mark.parametrize("flag,value,says", [
     ("--nodes", "0", "must be a finite number >= 1, got 0"), ("--nodes", "-2", "must be a finite number >= 1, got -2"),
     ("--gpus-per-node", "2.5", "'2.5' is not a whole number"), ("--tflops", "0", "must be a finite number > 0, got 0"),
-    ("--tflops", "nan", "must be a finite number > 0, got nan"), ("--mem-gbs", "inf", "must be a finite number > 0, got inf"),
+    ("--tflops", "nan", "must be a finite number > 0, got nan"),
+    ("--mem-gbs", "inf", "must be a finite number > 0, got inf"),
     ("--eff-matmul", "0", "must be a finite number in (0, 1], got 0"),
     ("--eff-memory", "-1", "must be a finite number in (0, 1], got -1"),
     ("--eff-network", "1.5", "must be a finite number in (0, 1], got 1.5"),

@@ -3,7 +3,6 @@ cannot write, and prompts longer than the target's context (issue 29, items 9 an
 from __future__ import annotations
 
 import pytest
-import torch
 
 from dflash_dist.config import load_config
 from dflash_dist.evaluation import hf_engine

@@ -233,8 +233,9 @@ def test_transformers_capture_matches_measurement(tmp_path, name, config, layer_
     assert 0.97 <= sum(t.values()) / v["measured"] <= 1.03, (name, t, v["measured"])
 
 
-@pytest.mark.parametrize("config,tp,heads", [(REF, 16, "32 attention heads and 8 key/value heads"),
-                                             ("configs/llama3_70b_tp2.yaml", 3, "64 attention heads and 8 key/value heads")])
+@pytest.mark.parametrize("config,tp,heads", [
+    (REF, 16, "32 attention heads and 8 key/value heads"),
+    ("configs/llama3_70b_tp2.yaml", 3, "64 attention heads and 8 key/value heads")])
 def test_a_tensor_parallel_split_train_refuses_is_exit_2_not_fits(config, tp, heads, capsys):
     """The forecast applies loading's own rule (models.hf_target.check_head_split), not a copy of it."""
     from types import SimpleNamespace
@@ -262,7 +263,8 @@ def test_a_cpu_run_is_priced_in_float32_against_this_machines_memory(tmp_path, c
     sdpa path, and the host's memory, not an H200's 141 GiB."""
     from helpers import smol_shape
     over = smol_shape(tmp_path)
-    assert BM.main(["--config", "configs/default.yaml", *over, "--device", "cpu", "--json", str(tmp_path / "c.json")]) == 0
+    cpu_json = str(tmp_path / "c.json")
+    assert BM.main(["--config", "configs/default.yaml", *over, "--device", "cpu", "--json", cpu_json]) == 0
     text = capsys.readouterr().out
     cpu = json.loads((tmp_path / "c.json").read_text())
     assert BM.main(["--config", "configs/default.yaml", *over, "--json", str(tmp_path / "g.json")]) == 0
@@ -315,3 +317,34 @@ def test_validate_says_what_it_checks_before_each_long_part(monkeypatch):
     assert seen == ["validating at a built-in scaled shape, not the config's (float32, hidden 256, 4 x 600 tokens)...",
                     "validating at a built-in scaled shape, not the config's (bf16, hidden 256, 4 x 600 tokens)...",
                     "validating a tiny transformers Qwen3-MoE target's capture..."]
+
+
+def test_validate_checks_the_configs_own_target_where_it_can_be_built(tmp_path, capsys):
+    """--validate's last part is the given config's target (a transformers model of its config.json, random
+    weights): its capture measured against the prediction. Where it cannot be built, a line says why."""
+    import io
+    from helpers import SMOL
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(SMOL | {"num_hidden_layers": 4, "vocab_size": 4096}))
+    cfg = load_config("configs/default.yaml", ["model.target.kind=hf", f"model.target.path={tmp_path / 'm'}",
+                                               "model.draft.target_layer_ids=[0,2]"])
+    out = io.StringIO()
+    v = BM.validate_config_target(cfg, model_shapes(cfg), out)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == f"validating the config's own target ({tmp_path / 'm'}, random weights, float32)..."
+    assert lines[1].startswith("the config's target: capture predicted ")
+    assert 0.97 <= v["capture_predicted"] / v["capture_measured"] <= 1.03, v
+    assert 0.97 <= v["peak_predicted"] / v["peak_measured"] <= 1.03, v
+    tiny = "it is the tiny target (the scaled shapes above are of its kind)"
+    for c, why in ((load_config("configs/default.yaml"), tiny),
+                   (load_config(REF), "/models/Qwen3-8B/config.json is not here")):
+        out = io.StringIO()
+        assert BM.validate_config_target(c, model_shapes(c, "qwen3-8b" if c.model.target.kind == "hf" else None),
+                                         out) is None
+        assert out.getvalue() == f"the config's own target is not validated: {why}\n"
+
+
+def test_colocated_ranks_with_a_split_target_are_refused_as_train_refuses_them(capsys):
+    assert BM.main(["--config", "configs/default.yaml", "roles.mode=colocated", "model.target.tensor_parallel=2"]) == 2
+    assert ("config keys 'roles.mode' and 'model.target.tensor_parallel': colocated ranks each hold a whole target"
+            in capsys.readouterr().err)

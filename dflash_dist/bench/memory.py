@@ -347,11 +347,11 @@ def evaluate(cfg: Config, device_gib: float, target_shape: str | None = None,
     moe = (f", {shapes.experts} experts ({shapes.experts_per_token} per token) in {len(shapes.sparse_layers)} of "
            f"{shapes.layers} layers" if shapes.experts else "")
     dtype = {4: "float32", 2: "bf16"}[precision.target_bytes]
+    drafter = "bf16 autocast" if precision.autocast else "float32"
     return pred, {"source": source, "target_shape": shapes.source,
                   "target_params": f"{shapes.target_params / 1e9:.2f}B parameters{moe}, "
                                    f"model.target.tensor_parallel={cfg.model.target.tensor_parallel}",
-                  "precision": f"{device}: {dtype} target, drafter {'bf16 autocast' if precision.autocast else 'float32'}, "
-                               f"{precision.attention} attention",
+                  "precision": f"{device}: {dtype} target, drafter {drafter}, {precision.attention} attention",
                   "worst_batches": {k: w.summary() for k, w in worst.items()}}
 
 
@@ -374,8 +374,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="built-in target shape when model.target.path has no config.json")
     ap.add_argument("--json", help="write the prediction here")
     ap.add_argument("--validate", action="store_true",
-                    help="also check the memory model against the real code on CPU, at built-in scaled shapes "
-                         "(not the config's); a few minutes")
+                    help="also check the memory model against the real code on CPU, at built-in scaled shapes, and "
+                         "the config's own target where it can be built here; a few minutes")
     args = ap.parse_args(argv)
     device_gib = args.gpu_mem_gib or (host_memory_gib() if args.device == "cpu" else 141.0)
     try:
@@ -402,9 +402,40 @@ def main(argv: list[str] | None = None) -> int:
     result = pred.to_json() | info
     if args.validate:
         result |= run_validation(out)
+        result["validate_config_target"] = validate_config_target(cfg, model_shapes(cfg, args.target_shape), out)
     if args.json:
         write_json(Path(args.json), result, indent=2)
     return 0
+
+
+MAX_VALIDATE_PARAMS = 1e9  # the config's own target is built on CPU (random weights, float32) only below this
+
+
+def validate_config_target(cfg: Config, shapes, out) -> dict | None:
+    """--validate on the config's own target, where it can be built here: a transformers model of its
+    config.json (random weights, float32, below MAX_VALIDATE_PARAMS), its capture at the config's feature
+    layers measured against the model (`validate_hf_capture`). Else a line saying why not, and None."""
+    path = Path(cfg.model.target.path)
+    why = ("it is the tiny target (the scaled shapes above are of its kind)" if cfg.model.target.kind != "hf" else
+           f"{path / 'config.json'} is not here" if not (path / "config.json").is_file() else
+           f"its {shapes.target_params / 1e9:.2f}B parameters are too many to build here"
+           if shapes.target_params > MAX_VALIDATE_PARAMS else None)
+    if why:
+        out.write(f"the config's own target is not validated: {why}\n")
+        return None
+    from transformers import AutoConfig
+    out.write(f"validating the config's own target ({path}, random weights, float32)...\n")
+    out.flush()
+    with tempfile.TemporaryDirectory() as tmp:
+        v = validate_hf_capture(AutoConfig.from_pretrained(str(path), local_files_only=True), tmp,
+                                list(shapes.feature_layers), labels=cfg.objective.labels)
+    t = v["terms"]
+    pred, peak = t["capture"] + t.get("distill", 0.0), sum(t.values())
+    out.write(f"the config's target: capture predicted {pred / 2**20:.2f} MiB, measured {v['capture'] / 2**20:.2f} MiB "
+              f"({pred / v['capture']:.3f}); peak predicted {peak / 2**20:.1f} MiB, measured "
+              f"{v['measured'] / 2**20:.1f} MiB ({peak / v['measured']:.3f})\n")
+    return {"capture_predicted": pred, "capture_measured": v["capture"], "peak_predicted": peak,
+            "peak_measured": v["measured"]}
 
 
 def run_validation(out) -> dict:
