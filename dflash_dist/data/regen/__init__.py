@@ -3,7 +3,9 @@
     chat.py      parse a JSONL line, render turn k's prompt, write the reply back (same schema)
     engine.py    the engine interface; hf.py (transformers) and vllm.py (vLLM) implement it;
                  engines.py picks and builds one
-    run.py       a rank's chunks, turn by turn, stop signals, rank 0's merge
+    run.py       a rank's chunks, turn by turn, stop signals, the run lock of --output, rank 0's merge
+    peers.py     under torchrun: the ranks' heartbeats through torchrun's store (a dead peer: exit 3)
+    reaper.py    the watchdog process that kills vLLM's engine processes when their rank dies
     chunks.py    chunk files, atomic writes, resume key, merge
     progress.py  per-rank totals and rank 0's progress line
     cli.py       the command line (python -m dflash_dist.data.regenerate --input ...)

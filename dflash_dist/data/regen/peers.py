@@ -37,6 +37,9 @@ class Peers:
     def __init__(self, rank: int, world: int, heartbeat_s: float, dead_after_s: float, join_s: float):
         import torch.distributed as dist
         self.rank, self.world = rank, world
+        if not os.environ.get("MASTER_ADDR") or not os.environ.get("MASTER_PORT"):
+            raise ValueError(f"WORLD_SIZE={world} without MASTER_ADDR and MASTER_PORT: start several ranks with "
+                             "torchrun (launch/regenerate.sh with NPROC, or slurm/regenerate.sbatch)")
         self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                                    timeout=datetime.timedelta(seconds=join_s))
         self.liveness = Liveness(rank, world, lambda r: "regeneration", heartbeat_s, dead_after_s, store=self.store,
