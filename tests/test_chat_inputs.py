@@ -156,7 +156,9 @@ def test_prepare_counts_reasoning_the_template_does_not_render(tmp_path):
     assert meta["replies"]["reasoning_content_not_rendered"] == 1
 
 
-def test_regeneration_drops_the_old_reasoning_content_and_says_so(hf, tmp_path, caplog):
+def test_regeneration_drops_the_old_reasoning_content_and_says_so(hf, tmp_path, caplog, monkeypatch):
+    from dflash_dist.data.regen import chat
+    monkeypatch.setattr(chat, "_dropped_logged", False)  # said once per process: this test's run is one
     lines = [{"id": 0, "messages": REASONED}, {"id": 1, "messages": REASONED[:1] + [{"role": "assistant",
                                                                                         "content": "x"}]}]
     src = write_jsonl(tmp_path / "c.jsonl", lines)
