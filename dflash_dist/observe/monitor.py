@@ -237,6 +237,8 @@ def end_partial_line(path: Path) -> int:
     """End a last line cut by an earlier process (a full disk, a kill mid-write) before appending, so the
     next record starts a line of its own instead of gluing itself to the fragment, which stays as one bad
     line (`report` names it). Returns the number of lines ended (0 or 1)."""
+    if not path.is_file():  # none yet, or a device (/dev/full, whose reads never end): nothing to end
+        return 0
     lines, cut = 0, 0  # line ends, and bytes after the last one (read in chunks: the file can be large)
     try:
         with open(path, "rb") as f:
