@@ -14,7 +14,7 @@ from dflash_dist.config import load_config
 from dflash_dist.data.synthetic import synthetic_dataset
 from dflash_dist.evaluate import acceptance_length, greedy_generate, heldout_prompts, main, speculative_generate
 from dflash_dist.evaluation.prompts import read_prompt_file
-from dflash_dist.evaluation.results import Tally, report
+from dflash_dist.evaluation.results import Tally, answer_digest, report, table
 from dflash_dist.evaluation.speculative import speculative, target_greedy
 from dflash_dist.models.export import export_drafter
 from dflash_dist.models.build import build_drafter, build_target, draft_spec
@@ -135,6 +135,41 @@ def test_tally_figures_follow_the_steps():
     assert a["tokens_per_s"] == {"target": 14 / 3.0, "speculative": 14 / 1.5}
     assert r["sets"]["b"]["tau"] == 0.0 and r["sets"]["b"]["speedup"] is None
     assert r["overall"]["accepted_per_position"] == [4, 3, 2] and r["overall"]["num_prompts"] == 2
+
+
+def test_output_digest_is_the_answers_in_order():
+    """Equal answers in the same order give one digest however the tallies were split and merged."""
+    answers = [[1, 2, 3], [4], [5, 6]]
+    whole = Tally(4, answer_digests=[answer_digest(a) for a in answers])
+    parts = Tally(4)
+    for a in answers:
+        parts.merge(Tally(4, answer_digests=[answer_digest(a)]))
+    assert parts.to_json()["output_digest"] == whole.to_json()["output_digest"]
+    other = Tally(4, answer_digests=[answer_digest(a) for a in ([1, 2, 3], [4], [5, 7])])
+    swapped = Tally(4, answer_digests=[answer_digest(a) for a in reversed(answers)])
+    assert len({t.to_json()["output_digest"] for t in (whole, other, swapped)}) == 3
+
+
+def test_baselines_sit_beside_the_drafter_in_json_and_table():
+    def tally(steps, accepted, new, seconds, proposals):
+        t = Tally(4, num_prompts=2, num_turns=2, num_steps=steps, accepted_per_position=accepted, new_tokens=new,
+                  target_s=8.0, speculative_s=seconds, proposal_steps=proposals)
+        return {"a": t}
+    # target: 30 tokens in 28 steps (one per answer from its prefill); ngram: 12 steps, 4 of them proposing.
+    r = report("vllm", 4, tally(10, [9, 6, 3], 30, 2.0, 10),
+               {"target": tally(28, [0, 0, 0], 30, 8.0, 0), "ngram": tally(12, [4, 2, 0], 30, 5.0, 4)})
+    b = r["baselines"]
+    assert b["target"]["sets"]["a"]["tau"] == 1.0 and b["target"]["overall"]["num_steps"] == 28
+    assert b["ngram"]["sets"]["a"]["tau"] == pytest.approx(1 + 6 / 12) and b["ngram"]["sets"]["a"]["proposal_steps"] == 4
+    assert b["ngram"]["overall"]["tokens_per_s"]["speculative"] == 30 / 5.0 and r["sets"]["a"]["tau"] == 2.8
+    lines = table(r).splitlines()
+    head = lines.index("") + 1
+    assert lines[head].split()[:4] == ["prompt", "set", "decoder", "steps"]
+    rows = [ln.split() for ln in lines[head + 1:]]
+    assert [(x[0], x[1]) for x in rows] == [(s, d) for s in ("a", "overall") for d in ("dflash", "target", "ngram")]
+    assert rows[1][2:6] == ["28", "30", "1.000", "3.8"] and rows[2][2:6] == ["12", "30", "1.500", "6.0"]
+    assert rows[0][2:6] == ["10", "30", "2.800", "15.0"]
+    assert "" not in table(report("vllm", 4, tally(10, [9, 6, 3], 30, 2.0, 10))).splitlines()  # no baselines: one table
 
 
 def test_heldout_prompts_are_new_and_from_the_corpus_rule():

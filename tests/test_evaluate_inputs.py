@@ -67,10 +67,16 @@ def test_conversations_need_a_tokenizer_target(tmp_path, caplog, draft):
 
 
 @pytest.mark.parametrize("flag, value", [("--max-new-tokens", "0"), ("--max-new-tokens", "-3"),
-                                         ("--num-prompts", "0"), ("--kv-cache-bytes", "0")])
+                                         ("--num-prompts", "0"), ("--kv-cache-gib", "0.0"),
+                                         ("--kv-cache-gib", "-0.5")])
 def test_bad_flags_are_named(caplog, draft, flag, value):
     rc, err = run(["--draft", str(draft), flag, value, B4], caplog)
     assert rc == 2 and f"{flag} {value}: must be a positive number" in err, err
+
+
+def test_baselines_need_the_vllm_engine(caplog, draft):
+    rc, err = run(["--draft", str(draft), "--baselines", B4], caplog)
+    assert rc == 2 and "--baselines" in err and "--engine vllm" in err, err
 
 
 def test_unknown_bench_name_and_unreachable_public_set(tmp_path, caplog, draft, monkeypatch):

@@ -3,13 +3,15 @@ of an exported drafter against its target, per prompt set and overall, by one of
   --engine hf    the project's KV-cached draft-then-verify decoder (exact: its output must equal the
                  target's greedy output; --strict fails on a mismatch); under torchrun the prompts are
                  split over the ranks (one GPU each) and rank 0 reports;
-  --engine vllm  vLLM's DFlash speculative decoding serving the export (figures from vLLM's metrics).
+  --engine vllm  vLLM's DFlash speculative decoding serving the export (figures from vLLM's metrics);
+                 --baselines adds target-only decoding and vLLM's n-gram prompt lookup on the same prompts.
 Prompt sets: --bench FILE.jsonl ({"turns": [...]} conversations through the target's chat template, or
 token-id lists), --bench NAME (gsm8k, math500, humaneval, mbpp, mt-bench), repeatable; default: the
 synthetic held-out set of the tiny job. Bad input (a flag, file, line or export) exits 2, naming it.
 
   python -m dflash_dist.evaluate --draft EXPORT [--config FILE] [key=value ...] [--bench FILE|NAME ...]
       [--engine hf|vllm] [--json OUT.json] [--max-new-tokens N] [--num-prompts N] [--enable-thinking]
+      [--baselines] [--kv-cache-gib G]
 """
 from __future__ import annotations
 
@@ -47,18 +49,24 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="chat template's thinking mode on (templates that read enable_thinking)")
     ap.add_argument("--no-thinking", dest="thinking", action="store_false", help="thinking off (the default)")
     ap.add_argument("--strict", action="store_true", help="hf engine: fail if speculative output differs from greedy")
-    ap.add_argument("--kv-cache-bytes", type=int, default=512 << 20, help="vllm on CPU: KV cache size")
+    ap.add_argument("--kv-cache-gib", type=float, default=0.5,
+                    help="vllm on CPU: KV cache size in GiB (the same flag and unit as regeneration's)")
     ap.add_argument("--max-model-len", type=int, default=None,
-                    help="vllm: context length (default: the model's; on CPU one sequence of it must fit --kv-cache-bytes)")
+                    help="vllm: context length (default: the model's; on CPU one sequence of it must fit --kv-cache-gib)")
+    ap.add_argument("--baselines", action="store_true",
+                    help="vllm: also decode the same prompts with vLLM's n-gram prompt lookup, and report it and "
+                         "target-only decoding (tau per verify step, tokens/s) beside the drafter")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
     return ap.parse_args(argv)
 
 
 def check_flags(args) -> None:
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--num-prompts", args.num_prompts),
-                        ("--kv-cache-bytes", args.kv_cache_bytes), ("--max-model-len", args.max_model_len)):
+                        ("--kv-cache-gib", args.kv_cache_gib), ("--max-model-len", args.max_model_len)):
         if value is not None and value <= 0:
             raise EvalInputError(f"{flag} {value}: must be a positive number")
+    if args.baselines and args.engine != "vllm":
+        raise EvalInputError("--baselines: the baselines are vLLM's decoders; use it with --engine vllm")
     if args.json:  # before the evaluation (minutes to hours), not after it
         check_output_path(args.json, "--json")
 
@@ -143,9 +151,10 @@ def run_vllm(args, cfg, sets) -> dict:
         s.check_vocab(vocab)
     chat = make_chat(cfg, sets, args.thinking)
     opts = VllmOptions(target=cfg.model.target.path, draft=str(args.draft), block_size=int(export["block_size"]),
-                       dtype=cfg.model.target.dtype, kv_cache_bytes=args.kv_cache_bytes, max_model_len=args.max_model_len)
-    tallies = run_sets(opts, sets, chat, args.max_new_tokens)
-    return report("vllm", opts.block_size, tallies, ranks=1, device="cuda" if torch.cuda.is_available() else "cpu",
+                       dtype=cfg.model.target.dtype, kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len,
+                       baselines=args.baselines)
+    tallies, baselines = run_sets(opts, sets, chat, args.max_new_tokens)
+    return report("vllm", opts.block_size, tallies, baselines, ranks=1, device="cuda" if torch.cuda.is_available() else "cpu",
                   max_new_tokens=args.max_new_tokens, thinking=args.thinking, draft=str(args.draft))
 
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from dflash_dist.evaluation.chat import Chat
 from dflash_dist.evaluation.prompts import EvalInputError, PromptSet
-from dflash_dist.evaluation.results import Tally
+from dflash_dist.evaluation.results import Tally, answer_digest
 from dflash_dist.evaluation.speculative import speculative, target_greedy
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ def decode_answer(target, drafter, prompt: list[int], stop: frozenset, opts: Opt
     ref = target_greedy(target, prompt, new_tokens, stop)
     out = speculative(target, drafter, prompt, new_tokens, stop)
     t = Tally(drafter.spec.block_size, num_turns=1, new_tokens=len(out.tokens), target_s=ref.seconds,
-              speculative_s=out.seconds)
+              speculative_s=out.seconds, answer_digests=[answer_digest(out.tokens)])
     t.add_steps(out.accepted)
     if out.tokens != ref.tokens:
         first = next((k for k, (x, y) in enumerate(zip(out.tokens, ref.tokens)) if x != y),
