@@ -220,7 +220,7 @@ def test_a_cut_reply_has_no_end_of_turn_label(tmp_path):
 def bpe_tokenizer(path: Path) -> Path:
     """Characters plus one merge ("fo" + "o" -> "foo"): "foo" has a canonical id and a non-canonical spelling."""
     chars = list("abcdefghijklmnopqrstuvwxyz .?\n")
-    specials = ["<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+    specials = ["<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<think>", "</think>"]
     vocab = {t: i for i, t in enumerate(specials + chars + ["fo", "foo"])}
     tk = Tokenizer(models.BPE(vocab, [("f", "o"), ("fo", "o")], unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"[a-z]+|[^a-z]"), behavior="isolated")
@@ -252,6 +252,14 @@ def test_prepare_trains_the_targets_ids_where_re_tokenizing_would_differ(tmp_pat
     assert ids[:int(np.argmax(mask))].tolist() == tok(prompt, add_special_tokens=False)["input_ids"]
     re_ids, re_mask = ds.sample(1)  # "foo.foo" carrying ids that decode to "foo": re-tokenized, counted
     assert re_ids[re_mask == 1].tolist() == [foo, dot, foo, end]
+    # Spliced ids keep --no-reasoning-loss: the think block among them is unmarked, the answer trained.
+    think, unthink, nl = (tok.convert_tokens_to_ids(t) for t in ("<think>", "</think>", "\n"))
+    reasoned = [think, f, o, o, unthink, nl, f, o, o, dot]
+    src = write_jsonl(tmp_path / "r.jsonl", [line(reasoned, text="<think>foo</think>\nfoo.")])
+    meta = prepare(str(tok_dir), str(src), str(tmp_path / "dr"), Options(no_reasoning_loss=True))
+    ids, mask = open_dataset(tmp_path / "dr").sample(0)
+    assert meta["replies"]["token_ids_spliced"] == 1 and ids[mask == 1].tolist() == [f, o, o, dot, end]
+    assert reasoned == ids[int(np.flatnonzero(ids == think)[0]):][:len(reasoned)].tolist()
 
 
 

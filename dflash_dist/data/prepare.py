@@ -191,13 +191,23 @@ def _splice_target_ids(tokenizer, full: str, spans, messages: list[dict], ids: l
         if not aligned or tokenizer.decode(m["token_ids"], skip_special_tokens=False) != m["content"]:
             notes["token_ids.retokenized"] += 1
             continue
-        # Each target id's first character, for the mask (reasoning blocks may be unmarked inside a reply).
-        offs = [p + len(tokenizer.decode(m["token_ids"][:j], skip_special_tokens=False))
-                for j in range(len(m["token_ids"]))]
         ids = ids[:i0] + list(m["token_ids"]) + ids[i1:]
-        mask = np.concatenate([mask[:i0], char_mask[np.minimum(offs, q - 1)], mask[i1:]])
+        mask = np.concatenate([mask[:i0], _ids_mask(tokenizer, m["token_ids"], char_mask[p:q]), mask[i1:]])
         notes["token_ids.spliced"] += 1
     return ids, mask
+
+
+def _ids_mask(tokenizer, ids: list[int], text_mask: np.ndarray) -> np.ndarray:
+    """Each id's mask: `text_mask` (over the characters `ids` decode to) at the id's first character.
+    The mask changes at a few characters only (a reasoning block's edges, under --no-reasoning-loss), so
+    the first id at or past each change is found by bisection (a few decodes, not one per id)."""
+    first_char = lambda j: len(tokenizer.decode(ids[:j], skip_special_tokens=False))  # noqa: E731
+    out = np.empty(len(ids), dtype=bool)
+    changes = (np.flatnonzero(np.diff(text_mask.astype(np.int8))) + 1).tolist()
+    edges = [0] + [bisect.bisect_left(range(len(ids)), c, key=first_char) for c in changes] + [len(ids)]
+    for c, j0, j1 in zip([0] + changes, edges, edges[1:]):
+        out[j0:j1] = text_mask[c]
+    return out
 
 
 def encode(tokenizer, messages: list[dict], opts: Options, eot: str,
