@@ -346,3 +346,15 @@ def test_a_damaged_lineage_file_is_a_config_error_naming_it(tmp_path):
     (tmp_path / "lineage.json").write_text("{\"starts\": [")
     with pytest.raises(ConfigError, match=r"lineage.json is damaged"):
         resolve_resume(_cfg(tmp_path), ONE)
+
+
+def test_a_key_added_to_the_schema_after_a_checkpoint_counts_as_its_default(tmp_path):
+    """A checkpoint written before a key existed has no value for it: it resumes under the key's default
+    and is refused under any other value."""
+    cfg = load_config(None, [f"train.run_dir={tmp_path}"])
+    meta = _meta(cfg, 1, 3)
+    del meta["config"]["objective"]["block_size"]  # as if block_size were added after this checkpoint
+    save_checkpoint(tmp_path, 3, {}, meta)
+    assert resolve_resume(cfg, ONE)[1] == Cursor(1, 3)
+    with pytest.raises(ConfigError, match="objective.block_size: checkpoint 16, now 8"):
+        resolve_resume(load_config(None, [f"train.run_dir={tmp_path}", "objective.block_size=8"]), ONE)

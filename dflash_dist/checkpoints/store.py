@@ -330,7 +330,9 @@ def _under(key: str, prefixes: tuple[str, ...]) -> bool:
 
 
 def _differences(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
-    a, b = _flatten(saved), _flatten(current)
+    """A key the checkpoint's config lacks was added to the schema after it was written: it counts as the
+    key's default (a new key's default keeps the old behaviour), so adding a key orphans no checkpoint."""
+    a, b = {**_flatten(to_dict(Config())), **_flatten(saved)}, _flatten(current)
     return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
             if _under(k, TRAINING_KEYS) and not _under(k, NOT_TRAINING) and a.get(k) != b.get(k)]
 
