@@ -216,8 +216,9 @@ def regen_workers(root_pid: int) -> dict[int, int]:
 
 @pytest.mark.slow
 def test_a_dead_rank_on_another_node_ends_rank_0_with_exit_3_naming_it(target, tmp_path):
-    """Two torchrun agents (--nnodes=2, c10d rendezvous on loopback), one rank each: SIGKILL of the other
-    node's rank; rank 0 names it and exits 3 within --dead-after-s and a margin (it used to poll forever)."""
+    """Two torchrun agents (--nnodes=2, c10d rendezvous on loopback), one rank each: SIGKILL of the rank on
+    the node that does not host the store; the other rank (rank 0 here as a rule: the first agent's) names it
+    and exits 3 within --dead-after-s and a margin (rank 0 used to poll for the dead rank's chunks forever)."""
     src = write_jsonl(tmp_path / "chats.jsonl", conversations(200, seed=9))
     out = tmp_path / "out.jsonl"
     port = free_port()
@@ -237,26 +238,25 @@ def test_a_dead_rank_on_another_node_ends_rank_0_with_exit_3_naming_it(target, t
         ranks = {}
         wait_for(lambda: ranks.update({(n, r): p for n in (0, 1) for r, p in regen_workers(nodes[n].pid).items()})
                  or len(ranks) == 2, 120, "both ranks")
-        (host_node, _), = [k for k in ranks if k[1] == 0]
-        (victim_node, victim_rank), = [k for k in ranks if k[1] != 0]
-        assert victim_node != host_node
-        wait_for(lambda: (chunks.parts_dir(out) / f"progress-rank{victim_rank}.json").exists(), 180,
-                 "rank 1 at work")
-        os.kill(ranks[(victim_node, victim_rank)], signal.SIGKILL)
+        # Node 1's rank dies (node 0's agent hosts the store, which the survivor still needs to name it).
+        (_, victim_rank), = [k for k in ranks if k[0] == 1]
+        wait_for(lambda: all((chunks.parts_dir(out) / f"progress-rank{r}.json").exists() for r in (0, 1)), 180,
+                 "both ranks at work")
+        os.kill(ranks[(1, victim_rank)], signal.SIGKILL)
         t0 = time.monotonic()
-        code = nodes[host_node].wait(timeout=60)
+        code = nodes[0].wait(timeout=60)
         took = time.monotonic() - t0
-        nodes[victim_node].wait(timeout=60)
+        nodes[1].wait(timeout=60)
     finally:
         for p in nodes:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-    text = (tmp_path / f"node{host_node}.log").read_text()
+    text = (tmp_path / "node0.log").read_text()
     assert code == 3, text[-3000:]
     assert re.search(rf"rank {victim_rank} \(regeneration\) went silent: no heartbeat for [\d.]+s "
                      r"\(--dead-after-s=5\)", text), text[-3000:]
     assert "local ranks' exit codes: 3 -> exit 3" in text
-    print(f"rank 0 out {took:.1f} s after the SIGKILL (--dead-after-s 5)")
+    print(f"rank {1 - victim_rank} out {took:.1f} s after the SIGKILL of rank {victim_rank} (--dead-after-s 5)")
     assert not out.exists()
 
 
