@@ -86,3 +86,10 @@ def test_the_monitor_writes_a_line_per_progress_and_says_waiting_once_a_stall_la
     waiting = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting:")]
     assert 1 <= len(waiting) <= 3, waiting  # one per stall_s, not one per interval
     assert waiting[0].endswith("(last: step 2, epoch 1 batch 2/100)")
+    p.activity = "rank 0 measuring tau (step 2 drafter)"  # between steps, rank 0 says what it does
+    with caplog.at_level(logging.INFO, logger="dflash_dist.observe.monitor"):
+        mon = Monitor(p, sinks, 0.02, CPU, stall_s=0.1).start()
+        time.sleep(0.4)
+        mon.stop()
+    assert any(r.getMessage().endswith("(rank 0 measuring tau (step 2 drafter); last: step 2, epoch 1 batch 2/100)")
+               for r in caplog.records), caplog.text

@@ -60,6 +60,7 @@ class Progress:
     # first entry is the first step's end, so neither start-up nor the first step's warm-up is in a rate.
     marks: deque = field(default_factory=lambda: deque(maxlen=512))
     tau: dict | None = None  # the last tau measured during training ({"step", "tau", ...})
+    activity: str = ""  # what rank 0 is doing between steps, if anything (a "waiting" line says it)
 
     @property
     def total_batches(self) -> int:
@@ -347,9 +348,9 @@ class Monitor:
                 self.report()
                 reported, since = p.step, time.time()
             elif p.step > 0 and time.time() - since >= self.stall_s:
-                log.info("waiting: no optimizer step for %.0f s (last: step %d, epoch %d batch %d/%d)",
-                         time.time() - p.marks[-1][0] if p.marks else time.time() - since, p.step, p.epoch + 1,
-                         p.epoch_done, p.epoch_batches)
+                log.info("waiting: no optimizer step for %.0f s (%slast: step %d, epoch %d batch %d/%d)",
+                         time.time() - p.marks[-1][0] if p.marks else time.time() - since,
+                         f"{p.activity}; " if p.activity else "", p.step, p.epoch + 1, p.epoch_done, p.epoch_batches)
                 since = time.time()
 
     def report(self, kind: str = "progress", extra: dict | None = None) -> dict:

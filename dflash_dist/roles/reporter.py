@@ -117,8 +117,12 @@ class Reporter(NullReporter):
         # Under the training's autocast on CUDA: the attention then runs the graphs warmed up for training.
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.run.ctx.device.type == "cuda" \
             else contextlib.nullcontext()
-        with autocast:
-            r = training_eval(cfg, self.run.target, model)
+        self.progress.activity = f"rank 0 measuring tau ({label} drafter)"  # what a "waiting" line says
+        try:
+            with autocast:
+                r = training_eval(cfg, self.run.target, model)
+        finally:
+            self.progress.activity = ""
         log.info("acceptance length tau (%s drafter): %.3f over %d verify steps of %d prompts (%s); speculative "
                  "output %s the target's greedy output (%.1fs)", label, r["tau"], r["num_steps"], r["num_prompts"],
                  r["prompt_set"],
@@ -166,7 +170,9 @@ class Reporter(NullReporter):
                           "time": round(time.time() - p.started, 3), "step_batches": s.batches,
                           "step_seqs": s.seqs, "step_tokens": s.tokens, "loss": s.loss,
                           "acc": hits / labels if labels else float("nan"), "accept_len": p.accept_len,
-                          "grad_norm": grad_norm, "lr": lr}, console=False, remote=False)
+                          "grad_norm": grad_norm, "lr": lr,
+                          # DFlash 2: acc and accept_len above follow the selector; the unary head's beside
+                          **s.selector_figures()}, console=False, remote=False)
 
     def epoch_end(self, sched: EpochSchedule, seconds: float) -> None:
         # The epoch's means, pooled over its steps in this process (a resumed epoch: those after the resume);
