@@ -286,3 +286,27 @@ def test_step_stats_carry_the_unary_figures_beside_the_selectors():
     assert back.selector_figures() == {"unary_acc": 3 / 8, "unary_accept_len": 1.5, "topk_recall": 7 / 8,
                                        "selector_loss": 0.5}
     assert StepStats.unpack(StepStats(block_size=3).pack(CPU), 3).selector_figures() == {}
+
+
+def test_the_forecast_counts_dflash2_parameters_and_flops():
+    """forecast/memory.py and cost.py: the parameters are the module's, exactly; the FLOPs add the
+    convolutions, the top-K pass and the selector's scores, and nothing for a DFlash run."""
+    from dflash_dist.forecast import cost as C
+    from dflash_dist.forecast import memory as M
+    from dflash_dist.forecast.shapes import model_shapes
+    base = ["model.draft.num_layers=2", "model.draft.selector_rank=16"]
+    flops = {}
+    for variant in ("dflash", "dflash2"):
+        cfg = load_config(overrides=base + [f"model.draft.variant={variant}"])
+        target = build_target(cfg, CPU)
+        drafter = build_drafter(draft_spec(cfg, target), target, 0, CPU)
+        shapes = model_shapes(cfg)
+        assert M.draft_param_count(shapes, cfg) == sum(p.numel() for p in drafter.parameters())
+        w = M.BatchShape(tokens=600, seqs=4, anchors=40, seq_lens=(150,) * 4, seq_anchors=(10,) * 4,
+                         anchor_pos=tuple(range(5, 105, 10)) * 4)
+        terms = C.drafter_terms(shapes, M.Precision(device="cpu"), cfg, w, 0).terms
+        flops[variant] = terms
+    extra = set(flops["dflash2"]) - set(flops["dflash"])
+    assert extra == {"dflash2_conv", "selector_top_k", "selector_scores", "dflash2_conv_elementwise"}
+    s, rows = model_shapes(cfg), 40 * (cfg.objective.block_size - 1)
+    assert flops["dflash2"]["selector_top_k"].amount == 2 * rows * s.hidden * s.vocab

@@ -47,7 +47,7 @@ from typing import Sequence
 import numpy as np
 
 from dflash_dist.config import Config
-from dflash_dist.forecast.memory import SDPA_GROUP, BatchShape, Precision, Sharding
+from dflash_dist.forecast.memory import SDPA_GROUP, BatchShape, Precision, Sharding, draft_param_count
 from dflash_dist.forecast.shapes import ModelShapes, layout_problem
 
 log = logging.getLogger(__name__)
@@ -276,26 +276,45 @@ def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, w: BatchShape, chun
         "elementwise": Term("memory", 3 * L * (R * (40 * H + c * (4 * (H + K) + 5 * s.draft_intermediate))
                                                + float(spans.sum()) * c * 6 * K) + N * 12 * H),
     }
+    if cfg.model.draft.variant == "dflash2":
+        t.update(dflash2_terms(s, cfg, R, rows, w.anchors))
     if cfg.model.draft.checkpoint_layers:
         # torch's non-reentrant checkpoint stops once the saved tensors are rebuilt: no layer's down_proj
         down = 2 * R * L * s.hidden * s.draft_intermediate
         t["recompute"] = Term("matmul", layers_fwd - down + kv_fwd, useful=0.0)
         t["recompute_attention"] = Term("block_attention", attn_run, useful=0.0)
     if p.autocast:  # each chunk's autocast region casts the weights again (fp32 read, bf16 written)
-        t["weight_casts"] = Term("memory", len(spans) * (4 + c) * s.draft_params)
-    t.update(step_terms(s, sharding, nodes))
+        t["weight_casts"] = Term("memory", len(spans) * (4 + c) * draft_param_count(s, cfg))
+    t.update(step_terms(s, sharding, nodes, draft_param_count(s, cfg)))
     return RoleCost(t)
+
+
+def dflash2_terms(s: ModelShapes, cfg: Config, R: int, rows: float, anchors: int) -> dict[str, Term]:
+    """DFlash 2's FLOPs (training/selector.py) on R block rows, `rows` of them labelled: the two
+    convolutions' projections per layer (trained: 3 x forward), the top-K's second pass of the frozen LM
+    head over the drafted rows (forward only), the K candidates' logits (loss: forward + the input
+    gradient; walk: forward), the codebook scores of the loss (K x R) and of the walk (K x K x R)."""
+    d = cfg.model.draft
+    H, V, K, Rk, L = s.hidden, s.vocab, d.selector_top_k, d.selector_rank, s.draft_layers
+    drafted = R - anchors  # block slots 1..B-1
+    proj = 2 * 2 * H * 2 * d.conv_kernel_size * (H // d.conv_group_size)  # two convolutions, forward
+    return {"dflash2_conv": Term("matmul", 3 * R * L * proj),
+            "selector_top_k": Term("matmul", 2 * drafted * H * V),
+            "selector_scores": Term("matmul", 2 * H * K * (3 * rows + drafted) + 2 * Rk * H * (3 * rows + drafted)
+                                    + 2 * K * Rk * (3 * rows + K * drafted)),
+            "dflash2_conv_elementwise": Term("memory", 3 * R * L * 2 * 2 * d.conv_kernel_size * H * 12)}
 
 
 STEP_TERMS = ("adamw", "grad_sync")  # once per optimizer step, not per batch
 
 
-def step_terms(s: ModelShapes, sharding: Sharding, nodes: int = 1) -> dict[str, Term]:
-    """AdamW over this drafter's parameters and the gradients' sync over the D drafters (ring all-reduce
-    of the fp32 gradients: 2 (D - 1) / D of their bytes; FSDP: two all-gathers and a reduce-scatter)."""
+def step_terms(s: ModelShapes, sharding: Sharding, nodes: int = 1, params: int | None = None) -> dict[str, Term]:
+    """AdamW over this drafter's parameters (`params`, DFlash 2's included; default the DFlash drafter's)
+    and the gradients' sync over the D drafters (ring all-reduce of the fp32 gradients: 2 (D - 1) / D of
+    their bytes; FSDP: two all-gathers and a reduce-scatter)."""
     D = max(1, sharding.drafters)
     shard = D if sharding.fsdp else 1
-    P = s.draft_params
+    P = s.draft_params if params is None else params
     sync = 4 * P * (3 if sharding.fsdp else 2) * (D - 1) / D
     return {"adamw": Term("memory", ADAMW_BYTES * P / shard),
             "grad_sync": Term("network" if nodes > 1 else "link", sync)}
@@ -451,7 +470,7 @@ def forecast(cfg: Config, shapes: ModelShapes, ps: PlanSample, device: Device, e
     for d in candidate_splits(gpus_per_node, tp):
         D = d * nodes
         step = sum(t.amount / (device.rate(t.kind) * eff.of(t.kind))
-                   for t in step_terms(shapes, replace(base, drafters=D), nodes).values())
+                   for t in step_terms(shapes, replace(base, drafters=D), nodes, draft_param_count(shapes, cfg)).values())
         d_s = lockstep_seconds(d_batch, D) + step
         replicas = (gpus_per_node - d) // tp
         splits.append({"drafters_per_node": d, "target_replicas_per_node": replicas, "target_s": t_s,

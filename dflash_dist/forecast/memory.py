@@ -321,6 +321,48 @@ def sdpa_call_bytes(s: ModelShapes, p: Precision, worst: BatchShape, chunk: int)
     return worst_bytes
 
 
+def dflash2_params(s: ModelShapes, cfg: Config) -> int:
+    """DFlash 2's parameters beyond the DFlash drafter's (models/dflash2.py), 0 for a DFlash run: per
+    layer two convolutions, each a base kernel (2, taps, H) and a projection H -> 2 x taps x H / group;
+    the selector's two codebooks (V x R each) and its hidden projection (R x H)."""
+    d = cfg.model.draft
+    if d.variant != "dflash2":
+        return 0
+    H, taps = s.hidden, d.conv_kernel_size
+    conv = 2 * taps * H + H * 2 * taps * (H // d.conv_group_size)
+    return s.draft_layers * 2 * conv + 2 * s.vocab * d.selector_rank + d.selector_rank * H
+
+
+def draft_param_count(s: ModelShapes, cfg: Config) -> int:
+    return s.draft_params + dflash2_params(s, cfg)
+
+
+def dflash2_row_bytes(s: ModelShapes, p: Precision, cfg: Config) -> int:
+    """Saved bytes per block row per draft layer of DFlash 2's two convolutions (0 for DFlash). Per side
+    (before and after each sublayer) the products keep the float32 coefficients (taps x H: the float32
+    base kernel promotes them) and the shifted taps (taps - 1 rows, float32); per convolution the
+    projection keeps the normed input the sublayer's projections kept before (they now keep the
+    convolved rows), and side 1 keeps the sublayer's output."""
+    d = cfg.model.draft
+    if d.variant != "dflash2":
+        return 0
+    H, taps, c = s.hidden, d.conv_kernel_size, p.drafter_compute
+    side = 4 * taps * H + 4 * (taps - 1) * H
+    return 2 * (2 * side + 2 * c * H)
+
+
+def dflash2_selector_bytes(s: ModelShapes, cfg: Config, labelled: int, drafted: int) -> tuple[int, int]:
+    """(saved, transient) bytes of the selector term in one anchor chunk (0s for DFlash): the loss keeps,
+    per labelled row, the K successor-codebook rows (float32), the predecessor's row times the hidden
+    projection, the projection, the candidate ids and scores; the walk (no gradient) gathers both
+    codebooks for the K x K scores of every drafted row, after the loss chunks are freed."""
+    d = cfg.model.draft
+    if d.variant != "dflash2":
+        return 0, 0
+    K, Rk = d.selector_top_k, d.selector_rank
+    return labelled * (4 * K * Rk + 2 * 4 * Rk + 2 * 8 * K + 4 * K), drafted * (2 * 4 * K * Rk + 4 * K * K)
+
+
 def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, worst: BatchShape, chunk: int,
                   sharding: Sharding = Sharding()) -> dict[str, float]:
     """Peak bytes of a drafter rank by term for `worst` with `chunk` anchors per chunk (0 = all)."""
@@ -331,7 +373,7 @@ def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, worst: BatchShape, 
     R = a * B
     L = s.draft_layers
     shard = sharding.drafters if sharding.fsdp else 1
-    P = s.draft_params
+    P = draft_param_count(s, cfg)
     nf = len(s.feature_layers)
     w = {"data": 0, "target_argmax": 1, "target_soft": cfg.objective.soft_top_k}[cfg.objective.labels]
     meta = 8 * (2 * N + worst.seqs + 1 + w * N) + (4 * cfg.objective.soft_top_k * N if w > 1 else 0)
@@ -355,7 +397,7 @@ def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, worst: BatchShape, 
     span = chunk_context_rows(worst, a)
     ctx = (context_row_bytes(s, p) + 2 * 4 * s.draft_head_dim) * span  # + the context rows' RoPE cos/sin
     attn_calls = sdpa_call_bytes(s, p, worst, a) if p.attention == "sdpa" else 0
-    per_layer = row * R + ctx + attn_calls
+    per_layer = (row + dflash2_row_bytes(s, p, cfg)) * R + ctx + attn_calls
     # After the layers: the embedding output (float32, the first layer's input), the final norm, the
     # loss's saved input gradient (rows with a label) and its index, block RoPE cos/sin.
     tail = R * (_norm_saved(H, 1, 4)) + (R - a) * (c * H + 8) + 2 * 4 * R * s.draft_head_dim
@@ -363,6 +405,8 @@ def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, worst: BatchShape, 
     # only the normalised rows for the weight's gradient, not the input and the rsqrt.
     tail -= R * (4 * H + 4)
     rows = min(cfg.objective.loss_rows, R)
+    sel_saved, sel_walk = dflash2_selector_bytes(s, cfg, R - a, R - a)
+    tail += sel_saved
     loss_chunk = rows * V * (4 + (c if c != 4 else 0)) + (R * c * H if c != 4 else 0)
     # Backward peaks at its start, before any saved tensor is freed: the hidden states' gradient (and its
     # float32 cast) and the final norm's float32 temporaries, about five (R, H) float32 in all (measured).
@@ -371,9 +415,9 @@ def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, worst: BatchShape, 
         # Each layer keeps only its input; backward recomputes one layer at a time, after the tail's
         # saves are gone. Two candidate peaks: the loss at the forward's end, a layer's recompute.
         kept = L * 4 * H * R
-        phases = (kept + tail, loss_chunk), (kept + per_layer, backward)
+        phases = (kept + tail, max(loss_chunk, sel_walk)), (kept + per_layer, backward)
     else:
-        phases = (L * per_layer + tail, max(loss_chunk, backward)),
+        phases = (L * per_layer + tail, max(loss_chunk, sel_walk, backward)),
     saved, extra = max(phases, key=sum)
     t["activations"] = saved  # what autograd holds at the peak
     t["transient"] = extra  # the loss chunk or the backward's temporaries on top
