@@ -102,3 +102,22 @@ def test_the_tau_figure_draws_the_measurements_during_training(tmp_path):
     assert list(x) == [0, 4, 8] and list(y) == [1.0, 1.4, 1.9]
     # A run still going (no summary yet) is drawn from its records alone.
     assert tau([RunData("live", tmp_path, recs, None)]).figure is not None
+
+
+def test_the_memory_model_counts_the_whole_target_where_rank_0_measures_tau():
+    import copy
+
+    from dflash_dist.config import load_config
+    from dflash_dist.forecast import memory as M
+    from dflash_dist.forecast.shapes import model_shapes
+    cfg = load_config("configs/qwen3_8b.yaml", ["data.path=/data/prepared"])
+    shapes = model_shapes(cfg, "qwen3-8b")
+    worst = M.BatchShape(tokens=4096, seqs=8, anchors=64)
+    head_only = M.predict(cfg, shapes, worst, 141.0).roles["drafter"]
+    tau_cfg = copy.deepcopy(cfg)
+    tau_cfg.train.eval_bench = "heldout.jsonl"
+    with_target = M.predict(tau_cfg, shapes, worst, 141.0).roles["drafter"]
+    embed = shapes.vocab * shapes.hidden * (1 if shapes.tied else 2)
+    assert head_only.terms["whole_target"] == 0
+    assert with_target.terms["whole_target"] == (shapes.target_params - embed) * 2  # bf16, beside embed_head
+    assert with_target.peak - head_only.peak == pytest.approx(with_target.terms["whole_target"])  # nothing else
