@@ -121,3 +121,9 @@ def test_the_memory_model_counts_the_whole_target_where_rank_0_measures_tau():
     assert head_only.terms["whole_target"] == 0
     assert with_target.terms["whole_target"] == (shapes.target_params - embed) * 2  # bf16, beside embed_head
     assert with_target.peak - head_only.peak == pytest.approx(with_target.terms["whole_target"])  # nothing else
+    # A drafter that does not fit says that measuring tau on rank 0 is what the whole target costs.
+    msg = M.preflight_message(M.predict(tau_cfg, shapes, worst, 30.0), "drafter")
+    assert msg.endswith(f"or train.eval_prompts=0 (rank 0 then holds the target's head only, not its whole "
+                        f"{with_target.terms['whole_target'] / 2**30:.1f} GiB, and tau is measured after the run)")
+    head_msg = M.preflight_message(M.predict(cfg, shapes, worst, 20.0), "drafter")
+    assert head_msg and "eval_prompts" not in head_msg

@@ -569,7 +569,10 @@ def preflight_message(pred: Prediction, role: str) -> str | None:
         best = pred.best_anchor_chunk
         hint = ("no objective.anchor_chunk fits: lower plan.token_budget or objective.loss_rows" if best is None
                 else f"set objective.anchor_chunk={best} (now {pred.anchor_chunk})")
-        return head + hint + ", or model.draft.checkpoint_layers=true, or a smaller plan.token_budget"
+        whole = (", or train.eval_prompts=0 (rank 0 then holds the target's head only, not its whole "
+                 f"{r.terms['whole_target'] / GiB:.1f} GiB, and tau is measured after the run)"
+                 if r.terms.get("whole_target") else "")
+        return head + hint + ", or model.draft.checkpoint_layers=true, or a smaller plan.token_budget" + whole
     return head + "lower plan.token_budget (the capture and the packets follow it), transport.max_in_flight, " \
                   "or raise model.target.tensor_parallel"
 
