@@ -70,7 +70,7 @@ need() {
 finish() { echo "$2" > "$1/.recipe-done"; say "$3"; }
 
 # 1. the target: from_gguf keeps a finished conversion of the same file (its SHA-256 in from_gguf.json)
-say "target: converting the GGUF -> $RUN/target"
+say "target: $RUN/target (the GGUF converted, or kept when already converted from the same file)"
 if [ -n "${GGUF:-}" ]; then "$PY" -m dflash_dist.models.from_gguf "$GGUF" "$RUN/target"
 else "$PY" -m dflash_dist.models.from_gguf --packaged smollm2 "$RUN/target"; fi
 k_target=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['sha256'])" "$RUN/target/from_gguf.json")
@@ -80,7 +80,6 @@ k_src=$(key sources "$TRAIN_CONVS" "$HELDOUT" "$TURNS" "$SEED" "$MAX_TURN_CHARS"
 if need sources "$k_src" "$RUN/sources"; then
   "$PY" -m dflash_dist.data.sources --out "$RUN/sources" --train "$TRAIN_CONVS" --heldout "$HELDOUT" \
     --turns "$TURNS" --seed "$SEED" --max-turn-chars "$MAX_TURN_CHARS"
-  head -n "$HUMANEVAL" "$RUN/sources/humaneval.jsonl" > "$RUN/sources/humaneval_first.jsonl"
   finish "$RUN/sources" "$k_src" "sources: $RUN/sources/{train,heldout,humaneval}.jsonl (counts: sources.json)"
 fi
 
@@ -126,9 +125,10 @@ fi
 # 6. evaluation: vLLM serving the export, with target-only decoding and n-gram prompt lookup beside it,
 # on every held-out prompt; the project's exact decoder on the first HF_PROMPTS of each set
 k_eval=$(key eval "$k_train" "$EVAL_NEW_TOKENS" "$HUMANEVAL" "$HF_PROMPTS" "$KV_CACHE_GIB")
-sets=(--bench "$RUN/sources/heldout.jsonl" --bench "$RUN/sources/humaneval_first.jsonl")
+sets=(--bench "$RUN/sources/heldout.jsonl" --bench "$RUN/eval/humaneval.jsonl")
 ev=(--draft "$RUN/export" --config "$CONFIG" model.target.path="$RUN/target" --max-new-tokens "$EVAL_NEW_TOKENS")
 if need evaluation "$k_eval" "$RUN/eval"; then
+  head -n "$HUMANEVAL" "$RUN/sources/humaneval.jsonl" > "$RUN/eval/humaneval.jsonl"
   "$PY" -m dflash_dist.evaluate "${ev[@]}" "${sets[@]}" --engine vllm --baselines --kv-cache-gib "$KV_CACHE_GIB" \
     --json "$RUN/eval/vllm.json"
   if [ "$HF_PROMPTS" -gt 0 ]; then
