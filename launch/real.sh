@@ -22,6 +22,7 @@
 #                                                   the hf engine (exact, ~30 s an answer on CPU) on HF_PROMPTS a set
 #   NPROC=3 (1 drafter, 2 target ranks)  KV_CACHE_GIB=1  CONFIG=configs/smollm2_135m.yaml
 #   GGUF=FILE.gguf (another chat model: give CONFIG a matching drafter)  SKIP_SETUP=1 (no installs)
+#   STOP_AFTER=target|sources|regeneration|prepare|training|evaluation (end once that stage is done)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -49,6 +50,10 @@ for arg in "$@"; do
   esac
 done
 [ -f "$CONFIG" ] || { echo "launch/real.sh: CONFIG=$CONFIG: no such file" >&2; exit 2; }
+case "${STOP_AFTER:-}" in ""|target|sources|regeneration|prepare|training|evaluation) ;;
+  *) echo "launch/real.sh: STOP_AFTER=$STOP_AFTER: expected target, sources, regeneration, prepare, training or evaluation" >&2
+     exit 2 ;;
+esac
 mkdir -p "$RUN"
 
 if [ -z "${SKIP_SETUP:-}" ]; then
@@ -68,12 +73,16 @@ need() {
   mkdir -p "$dir"; echo "$k" > "$dir/.recipe-key"; say "$name: running -> $dir"
 }
 finish() { echo "$2" > "$1/.recipe-done"; say "$3"; }
+# STOP_AFTER=STAGE ends the recipe once that stage is done (or found done)
+stop_after() { [ "${STOP_AFTER:-}" != "$1" ] || { say "STOP_AFTER=$1: stopping here"; exit 0; }; }
 
 # 1. the target: from_gguf keeps a finished conversion of the same file (its SHA-256 in from_gguf.json)
 say "target: $RUN/target (the GGUF converted, or kept when already converted from the same file)"
 if [ -n "${GGUF:-}" ]; then "$PY" -m dflash_dist.models.from_gguf "$GGUF" "$RUN/target"
 else "$PY" -m dflash_dist.models.from_gguf --packaged smollm2 "$RUN/target"; fi
 k_target=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['sha256'])" "$RUN/target/from_gguf.json")
+
+stop_after target
 
 # 2. the ShareGPT slice and HumanEval prompts
 k_src=$(key sources "$TRAIN_CONVS" "$HELDOUT" "$TURNS" "$SEED" "$MAX_TURN_CHARS")
@@ -82,6 +91,8 @@ if need sources "$k_src" "$RUN/sources"; then
     --turns "$TURNS" --seed "$SEED" --max-turn-chars "$MAX_TURN_CHARS"
   finish "$RUN/sources" "$k_src" "sources: $RUN/sources/{train,heldout,humaneval}.jsonl (counts: sources.json)"
 fi
+
+stop_after sources
 
 # 3. the target's own replies, through vLLM (resumable chunks: an interrupted run picks up where it was)
 k_regen=$(key regen "$k_target" "$k_src" "$MAX_NEW_TOKENS" "$ON_LENGTH" "$KV_CACHE_GIB")
@@ -92,6 +103,8 @@ if need regeneration "$k_regen" "$RUN/regen"; then
   finish "$RUN/regen" "$k_regen" "regeneration: $RUN/regen/chats.jsonl (skips by reason: $RUN/regen/*meta.json)"
 fi
 
+stop_after regeneration
+
 # 4. tokens
 k_prep=$(key prepare "$k_regen")
 if need prepare "$k_prep" "$RUN/prepared"; then
@@ -99,6 +112,8 @@ if need prepare "$k_prep" "$RUN/prepared"; then
     --output "$RUN/prepared" --overwrite
   finish "$RUN/prepared" "$k_prep" "prepare: $RUN/prepared (counts: meta.json)"
 fi
+
+stop_after prepare
 
 # 5. training (resumes from its newest checkpoint when interrupted; train.resume=auto)
 train_args=(--config "$CONFIG" model.target.path="$RUN/target" data.path="$RUN/prepared"
@@ -122,6 +137,8 @@ else
   say "training: export $RUN/export, summary $RUN/summary.json"
 fi
 
+stop_after training
+
 # 6. evaluation: vLLM serving the export, with target-only decoding and n-gram prompt lookup beside it,
 # on every held-out prompt; the project's exact decoder on the first HF_PROMPTS of each set
 k_eval=$(key eval "$k_train" "$EVAL_NEW_TOKENS" "$HUMANEVAL" "$HF_PROMPTS" "$KV_CACHE_GIB")
@@ -136,6 +153,8 @@ if need evaluation "$k_eval" "$RUN/eval"; then
   fi
   finish "$RUN/eval" "$k_eval" "evaluation: $RUN/eval/{vllm,hf}.json"
 fi
+
+stop_after evaluation
 
 # 7. the run report (cheap: always redrawn)
 "$PY" -m dflash_dist.report "$RUN"

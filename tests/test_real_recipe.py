@@ -66,9 +66,31 @@ def test_the_real_recipe_end_to_end_then_cached(tmp_path, smollm2_target):
     ({}, ["epochs"], "epochs: expected key=value training overrides"),
     ({"PRESET": "huge"}, [], "PRESET=huge: expected default or long"),
     ({"CONFIG": "configs/nope.yaml"}, [], "CONFIG=configs/nope.yaml: no such file"),
+    ({"STOP_AFTER": "lunch"}, [], "STOP_AFTER=lunch: expected target, sources"),
 ])
 def test_bad_arguments_exit_2_before_any_stage(tmp_path, env, args, message):
     r = subprocess.run(["bash", "launch/real.sh", f"train.run_dir={tmp_path / 'real'}", *args], cwd=ROOT,
                        env={**os.environ, "SKIP_SETUP": "1", **env}, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and message in r.stderr, r.stderr
     assert not (tmp_path / "real").exists()
+
+
+def test_a_stage_is_kept_on_a_rerun_and_redone_when_its_settings_change(tmp_path, smollm2_target):
+    run = tmp_path / "real"
+    run.mkdir()
+    (run / "target").symlink_to(smollm2_target, target_is_directory=True)
+
+    def sources(n):
+        env = {**os.environ, "SKIP_SETUP": "1", "STOP_AFTER": "sources", "TRAIN_CONVS": str(n), "HELDOUT": "2"}
+        r = subprocess.run(["bash", "launch/real.sh", f"train.run_dir={run}"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=240)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return r.stdout, (run / "sources" / "train.jsonl").read_text().splitlines()
+
+    out, train = sources(5)
+    assert "sources: running ->" in out and len(train) == 5 and "STOP_AFTER=sources: stopping here" in out
+    assert not (run / "regen").exists()
+    out, again = sources(5)
+    assert "sources: done, kept" in out and again == train
+    out, more = sources(7)
+    assert "sources: inputs or settings changed: redoing" in out and len(more) == 7
