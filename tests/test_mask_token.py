@@ -26,7 +26,7 @@ def test_a_full_vocabulary_without_a_mask_token_takes_a_spare_control_token(tmp_
     with caplog.at_level(logging.INFO, logger="dflash_dist.models.head"):
         mask = default_mask_token_id(tmp_path, vocab_size=40)
     assert mask == fast.convert_tokens_to_ids("<empty_output>") == 39  # not eos, not the template's own
-    assert caplog.records[-1].getMessage().startswith("mask token id 39 ('<empty_output>'): a control token")
+    assert caplog.records[-1].getMessage().startswith("mask token id 39 ('<empty_output>'): a spare control token")
 
 
 def test_with_no_spare_control_token_the_last_row_is_a_warning(tmp_path, caplog):

@@ -160,7 +160,7 @@ def default_mask_token_id(path: Path, vocab_size: int) -> int | None:
         mask, why = len(tok), "the first embedding row no token uses"
     else:
         mask = spare_special_token(tok, vocab_size)
-        why = "a control token that neither chat text nor the chat template produces (no mask token, no unused row)"
+        why = "a spare control token, which the chat template never writes (no mask token, no unused row)"
     if mask is None:
         log.warning("%s: no mask token, no unused embedding row and no spare control token: the mask is the last "
                     "row (%d), a real token; give model.draft.mask_token_id to choose another", path, vocab_size - 1)
