@@ -310,3 +310,36 @@ def test_the_forecast_counts_dflash2_parameters_and_flops():
     assert extra == {"dflash2_conv", "selector_top_k", "selector_scores", "dflash2_conv_elementwise"}
     s, rows = model_shapes(cfg), 40 * (cfg.objective.block_size - 1)
     assert flops["dflash2"]["selector_top_k"].amount == 2 * rows * s.hidden * s.vocab
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_the_memory_model_matches_a_dflash2_step_at_a_scaled_shape(bf16):
+    """bench.memory's validation (test_memory's scaled shape and tolerance) with the DFlash 2 modules."""
+    from dataclasses import dataclass
+
+    import dflash_dist.bench.memory as BM
+    from test_memory import SMALL
+
+    @dataclass(frozen=True)
+    class Scaled2(BM.Scaled):
+        def overrides(self):
+            return super().overrides() + ["model.draft.variant=dflash2"]
+
+    v = BM.validate(Scaled2(**{**SMALL.__dict__, "bf16": bf16}), time_steps=False)
+    ratios = {}
+    for name in ("chunked", "unchunked"):
+        ratios[name] = v[name]["predicted"] / v[name]["measured"]
+        ratios[name + " saved"] = v[name]["saved_predicted"] / v[name]["saved_measured"]
+    assert all(0.85 <= r <= 1.15 for r in ratios.values()), ratios
+
+
+def test_a_dflash2_export_without_a_selector_key_is_named(tmp_path, tiny):
+    from dflash_dist.evaluation.loading import read_export_config
+    from dflash_dist.evaluation.prompts import EvalInputError
+    cfg, target, spec = tiny
+    out = export_drafter(spec, build_drafter(spec, target, seed=0, device=CPU).state_dict(), tmp_path / "e")
+    conf = json.loads((out / "config.json").read_text())
+    del conf["dflash_config"]["selector_rank"]
+    (out / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(EvalInputError, match=r"config.json: missing dflash_config.selector_rank \(DFlash2DraftModel\)"):
+        read_export_config(out)
