@@ -153,3 +153,19 @@ def test_cli_writes_a_prepared_dataset(tmp_path, target):
     assert np.array_equal(got.tokens, want.tokens) and np.array_equal(got.loss_mask, want.loss_mask)
     assert np.array_equal(got.offsets, want.offsets) and got.meta["regenerated_from"] == "synthetic"
     assert main(["--out", str(tmp_path / "regen"), *over]) == 2  # exists: refused without --overwrite
+
+
+def test_help_shows_the_chat_options_and_names_the_token_corpus(capsys):
+    """`regenerate --help` is the chat regeneration's (the one users run), and says where the token corpus's is."""
+    from dflash_dist.data.regenerate import main
+
+    def code(argv):
+        try:
+            return main(argv)
+        except SystemExit as exc:
+            return exc.code
+    assert code(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--input" in out and "--on-length" in out and "--out x --help" in out
+    assert code(["--out", "x", "--help"]) == 0
+    assert "--max-new-tokens" in capsys.readouterr().out
