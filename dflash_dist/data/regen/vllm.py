@@ -56,8 +56,8 @@ class VllmEngine:
         from vllm import LLM
         on_cpu = not torch.cuda.is_available()
         if on_cpu:
-            from dflash_dist.data.regen.vllm_cpu import apply_cpu_thread_env
-            apply_cpu_thread_env()  # the worker on every core of a small machine (vllm_cpu.py)
+            from dflash_dist.data.regen.vllm_cpu import note_cpu_binding
+            note_cpu_binding()  # how vLLM binds its threads on a small machine (vllm_cpu.py)
         self.reaper = reaper.start()  # its processes die with this one, however it ends (reaper.py)
         self.llm = LLM(**_llm_kwargs(spec, on_cpu))
         self.stop_ids = frozenset(stop_ids)
