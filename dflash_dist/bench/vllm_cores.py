@@ -4,7 +4,8 @@
         [--reps 2] [--json runs/bench/vllm_cores.json]
 
 vLLM's CPU executor keeps cores for its scheduler process (VLLM_CPU_NUM_OF_RESERVED_CPU; on a 2-core
-machine the model worker gets one core): data/regen/vllm_cpu.py lifts that on small machines. Each setting
+machine the model worker gets one core); 0 gives the worker every core (data/regen/vllm_cpu.py keeps
+vLLM's default, after this benchmark: docs/benchmarks.md). Each setting
 runs in a fresh process (vLLM reads the variable when its engine starts), the settings alternating
 (A B B A ... over --reps), each process timing
   regen  regeneration's engine (data/regen/vllm.py) decoding the prompts greedily, target only;
