@@ -146,10 +146,12 @@ def run_vllm(args, cfg, sets) -> dict:
                              "model.target.path=DIR")
     export = read_export_config(args.draft)
     from transformers import AutoConfig
-    vocab = AutoConfig.from_pretrained(cfg.model.target.path, local_files_only=True).get_text_config().vocab_size
+    text_cfg = AutoConfig.from_pretrained(cfg.model.target.path, local_files_only=True).get_text_config()
     for s in sets:
-        s.check_vocab(vocab)
+        s.check_vocab(text_cfg.vocab_size)
     chat = make_chat(cfg, sets, args.thinking)
+    from dflash_dist.evaluation.hf_engine import check_context  # the hf engine's own rule, before any engine starts
+    check_context(args.max_model_len or text_cfg.max_position_embeddings, sets, chat)
     opts = VllmOptions(target=cfg.model.target.path, draft=str(args.draft), block_size=int(export["block_size"]),
                        dtype=cfg.model.target.dtype, kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len,
                        baselines=args.baselines)

@@ -71,10 +71,10 @@ def run_prompt(target, drafter, pset: PromptSet, i: int, chat: Chat | None, opts
     return total
 
 
-def check_context(target, sets: list[PromptSet], chat: Chat | None) -> None:
-    """EvalInputError naming every prompt whose (first turn's) prompt fills the target's context, before
-    anything is decoded: the target cannot answer it (regeneration skips such a prompt as over_context)."""
-    ctx = target.max_position_embeddings
+def check_context(ctx: int, sets: list[PromptSet], chat: Chat | None) -> None:
+    """EvalInputError naming every prompt whose (first turn's) prompt fills the target's context of `ctx`
+    positions, before anything is decoded (both engines): the target cannot answer it (regeneration skips
+    such a prompt as over_context)."""
     over = []
     for pset in sets:
         for i, item in enumerate(pset.items):
@@ -100,7 +100,7 @@ def run_sets(target, drafter, sets: list[PromptSet], chat: Chat | None, opts: Op
              rank: int = 0, world: int = 1) -> dict[str, Tally] | None:
     """Tallies per set on rank 0 (None on the other ranks). A bad input or a strict mismatch on any
     rank travels with the gathered results, so every rank returns or raises together (none waits)."""
-    check_context(target, sets, chat)  # every rank alike, before any decode or collective
+    check_context(target.max_position_embeddings, sets, chat)  # every rank alike, before any decode or collective
     warm_up(target, drafter)
     local, failure = [], None
     try:
