@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import hashlib
 import importlib.util
 import json
 import logging
@@ -31,6 +30,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
+from dflash_dist.data.digest import file_digest
 from dflash_dist.data.jsonl import Skip, check_text, parse_messages
 from dflash_dist.exits import EXIT_BAD_INPUT
 
@@ -61,14 +61,6 @@ def packaged_file(package: str, relative: str) -> Path:
     if not path.is_file():
         raise SourceError(f"{path}: missing from the installed {package}")
     return path
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def json_array_records(text: str, source: str, skips: Counter) -> Iterator[tuple[int, object]]:
@@ -232,8 +224,8 @@ def build(out: Path, n_train: int, n_heldout: int, turns: int = 1, seed: int = 0
     write_lines(out / "humaneval.jsonl", [turns_line(t) for t in problems])
     meta = {"settings": {"train": n_train, "heldout": n_heldout, "turns": turns, "seed": seed,
                          "max_turn_chars": max_chars},
-            "sources": {"sharegpt": {"path": str(sharegpt), "sha256": sha256(sharegpt)},
-                        "humaneval": {"path": str(humaneval), "sha256": sha256(humaneval)}},
+            "sources": {"sharegpt": {"path": str(sharegpt), "sha256": file_digest(sharegpt)},
+                        "humaneval": {"path": str(humaneval), "sha256": file_digest(humaneval)}},
             "counts": {"sharegpt_usable": sum(map(len, groups.values())), "sharegpt_ids": len(groups),
                        "train": len(train), "heldout": len(heldout), "humaneval": len(problems)},
             "skipped": dict(sorted(skips.items()))}
