@@ -9,22 +9,19 @@ import json
 import math
 import os
 import signal
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import helpers
-from dflash_dist.bench.transport import free_port
 from dflash_dist.config import ConfigError, load_config
 from dflash_dist.parallel.sharding import make_sharding
 from dflash_dist.training.objective import block_labels, dpace_weights, lm_head_loss, loss_denominator
 from dflash_dist.training.stats import StepStats
 from dflash_dist.training.step import drafter_step
-from test_loss_norm import B, make_batch, make_model, merged
+from test_loss_norm import B, assert_drafters_give, make_batch, make_model, merged
 
 ALPHA = 0.5  # the paper's
 
@@ -179,23 +176,8 @@ def _worker(rank, world, port, kind, num_batches, chunk, out):
 @pytest.mark.parametrize("world, num_batches, chunk", [(3, 2, 2), (3, 3, 1)])  # an idle tail drafter; chunks
 def test_a_dpace_step_of_several_drafters_is_one_batch_of_all_their_samples(tmp_path, kind, world, num_batches,
                                                                             chunk):
-    out, port = tmp_path / "grads.pt", free_port()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, world, port, kind, num_batches, chunk, str(out)))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 240  # for all ranks: a case took 70-135 s on 2 cores shared with other jobs
-    for p in procs:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive and all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    got, want = torch.load(out), reference_grads(num_batches)
-    assert got.keys() == want.keys()
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+    # one deadline for all ranks: a case took 70-135 s on 2 cores shared with other jobs
+    assert_drafters_give(_worker, reference_grads(num_batches), tmp_path, world, (kind, num_batches, chunk), 240)
 
 
 def test_a_rank_local_denominator_is_another_gradient():

@@ -6,6 +6,7 @@ reference is one process's plain step on the merged batch (its own weight sum). 
 idle tail drafter and with anchor chunks.
 """
 import os
+import time
 
 import pytest
 import torch
@@ -95,19 +96,25 @@ def _worker(rank, world, port, kind, num_batches, chunk, out):
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
 @pytest.mark.parametrize("world, num_batches, chunk", [(2, 2, 0), (3, 2, 2), (3, 3, 1)])
 def test_a_step_of_several_drafters_is_one_batch_of_all_their_samples(tmp_path, kind, world, num_batches, chunk):
+    assert_drafters_give(_worker, reference_grads(num_batches), tmp_path, world, (kind, num_batches, chunk), 120)
+
+
+def assert_drafters_give(worker, want: dict, tmp_path, world: int, args: tuple, deadline_s: float) -> None:
+    """`world` spawned ranks run worker(rank, world, port, *args, out); rank 0 saves the step's gradients to
+    `out`, which must equal `want`. One deadline for all ranks; stragglers are killed, never awaited."""
     out, port = tmp_path / "grads.pt", free_port()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, world, port, kind, num_batches, chunk, str(out)))
-             for r in range(world)]
+    procs = [ctx.Process(target=worker, args=(r, world, port, *args, str(out))) for r in range(world)]
     for p in procs:
         p.start()
+    deadline = time.monotonic() + deadline_s
     for p in procs:
-        p.join(timeout=120)
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
     alive = [p for p in procs if p.is_alive()]
     for p in alive:
         p.kill()
     assert not alive and all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    got, want = torch.load(out), reference_grads(num_batches)
+    got = torch.load(out)
     assert got.keys() == want.keys()
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
