@@ -1,0 +1,226 @@
+"""How fast drafters learn a real target: the target's features captured once, drafters trained on the
+very same batches, then acceptance per block position on held-out samples.
+
+    python -m dflash_dist.bench.learning --config configs/smollm2_135m.yaml --data runs/real/prepared \
+        model.target.path=runs/real/target [--heldout 40] [--sizes 140,280,560] [--epochs 3] \
+        [--variants dflash,dflash+dpace,dflash2,dflash2+dpace] [--json OUT] [key=value ...]
+
+The training run's own pieces, in one process and without the transport: the epoch plans (`build_plan`
+under the config's token budget, seeded), the anchors (`draw_anchors`, seeded by epoch and batch),
+`drafter_step`, AdamW with the run's warm-up and cosine (`TrainState.create`), gradient clipping. Each
+variant of each size starts from the same seeded weights; `--sizes` are the first N training samples
+(the learning curve at fixed epochs). The held-out samples are the dataset's last `--heldout`, never
+trained on.
+
+tau~ is the teacher-forced acceptance: at each of a fixed set of held-out anchors the block the drafter
+drafts (the unary argmax, or DFlash 2's greedy walk over its candidates: what vLLM serves) is compared
+with the reply's next tokens, and the accepted prefix + 1 is averaged. On replies the target generated
+greedily (regenerated data), that is what a verify step starting at that anchor accepts in greedy
+speculative decoding, so it estimates served tau without decoding (the served figure visits the
+anchors the accepted prefixes lead to, not uniform ones). Features are cached in data.cache_dir keyed by
+the dataset, the target and the layer ids.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dflash_dist.bench.jobs import write_json
+from dflash_dist.config import load_config, loss_gamma
+from dflash_dist.data.collate import collate
+from dflash_dist.data.dataset import TokenDataset
+from dflash_dist.data.disk import open_dataset
+from dflash_dist.models.build import build_drafter, build_target, draft_spec
+from dflash_dist.models.drafter import anchor_seq_starts
+from dflash_dist.plan.epochs import build_plan, plan_kwargs
+from dflash_dist.training.objective import anchor_generator, block_labels, draw_anchors
+from dflash_dist.training.state import TrainState
+from dflash_dist.training.step import drafter_step
+
+log = logging.getLogger("dflash_dist.bench.learning")
+
+VARIANTS = {"dflash": [], "dflash+dpace": ["objective.position_weights=dpace"],
+            "dflash2": ["model.draft.variant=dflash2"],
+            "dflash2+dpace": ["model.draft.variant=dflash2", "objective.position_weights=dpace"]}
+SHOWN_SLOTS = (1, 2, 3, 4, 8)
+
+
+def subset(ds, lo: int, hi: int) -> TokenDataset:
+    """Samples [lo, hi) of a dataset, as a dataset of their own (contiguous in the token array)."""
+    a, b = int(ds.offsets[lo]), int(ds.offsets[hi])
+    return TokenDataset(np.asarray(ds.tokens[a:b]), np.asarray(ds.offsets[lo:hi + 1]) - a,
+                        np.asarray(ds.loss_mask[a:b]), ds.vocab_size)
+
+
+def feature_key(data: Path, target_cfg, layer_ids) -> str:
+    """The features' cache key: the dataset's meta, the target's settings and, for a transformers
+    target, its config and weight files (name, size, mtime), and the layer ids."""
+    h = hashlib.sha256(json.dumps(dataclasses.asdict(target_cfg), sort_keys=True).encode())
+    h.update((data / "meta.json").read_bytes())
+    if target_cfg.kind == "hf":
+        root = Path(target_cfg.path)
+        h.update((root / "config.json").read_bytes())
+        for f in sorted(root.glob("*.safetensors")):
+            h.update(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}".encode())
+    h.update(repr(tuple(layer_ids)).encode())
+    return h.hexdigest()[:16]
+
+
+@torch.no_grad()
+def capture_all(target, ds, layer_ids, cache: Path, tokens_per_call: int = 2048) -> list[torch.Tensor]:
+    """Per-sample features (len_i, n_layers * H), bfloat16 (the transfer dtype of a GPU run), cached."""
+    if cache.is_file():
+        return torch.load(cache)
+    feats, t0, i = [], time.time(), 0
+    lengths = ds.lengths
+    while i < len(ds):
+        j, n = i, 0
+        while j < len(ds) and (j == i or n + lengths[j] <= tokens_per_call):
+            n += int(lengths[j])
+            j += 1
+        b = collate(ds, np.arange(i, j))
+        f, _ = target.capture(b.input_ids, b.cu_seqlens, b.position_ids, list(layer_ids))
+        feats.extend(f.to(torch.bfloat16).split(lengths[i:j].tolist()))
+        i = j
+        log.info("features: %d/%d samples (%.0f s)", i, len(ds), time.time() - t0)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(feats, cache)
+    return feats
+
+
+def batch_features(feats, base: int, idx: np.ndarray) -> torch.Tensor:
+    return torch.cat([feats[base + int(i)] for i in idx]).float()
+
+
+def train(cfg, target, ds, feats, epochs: int) -> dict:
+    """One drafter trained `epochs` epochs on `ds` (features `feats[i]` of its sample i)."""
+    spec = draft_spec(cfg, target)
+    model = build_drafter(spec, target, cfg.model.draft.seed, torch.device("cpu"))
+    o = cfg.objective
+    gamma, dpace = loss_gamma(o), o.dpace_alpha if o.position_weights == "dpace" else None
+    plans = [build_plan(ds.lengths, ds.num_supervised, anchorable=ds.num_anchorable, epoch=e, **plan_kwargs(cfg))
+             for e in range(epochs)]
+    state = TrainState.create(model, cfg, sum(len(p) for p in plans))
+    clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+    times, last_loss, last_weight = [], 0.0, 0.0
+    for e, plan in enumerate(plans):
+        last_loss = last_weight = 0.0
+        for b in range(len(plan)):
+            idx = plan.batch(b)
+            batch, f = collate(ds, idx), batch_features(feats, 0, idx)
+            anchors, cu = draw_anchors(batch.loss_mask, batch.cu_seqlens, o.num_anchors,
+                                       anchor_generator(cfg.train.seed, e, b))
+            t0 = time.perf_counter()
+            state.optimizer.zero_grad(set_to_none=True)
+            m = drafter_step(model, batch, f, None, anchors, cu, gamma=gamma, anchor_chunk=o.anchor_chunk,
+                             loss_rows=o.loss_rows, dpace_alpha=dpace, selector_weight=o.selector_weight,
+                             selector_detach=o.selector_detach)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            state.optimizer.step()
+            state.scheduler.step()
+            times.append(time.perf_counter() - t0)
+            last_loss, last_weight = last_loss + float(m.loss_sum), last_weight + float(m.weight_sum)
+        log.info("epoch %d: %d steps, loss %.3f (%.1f s a step)", e, len(plan), last_loss / max(last_weight, 1e-9),
+                 float(np.median(times)))
+    return dict(model=model, steps=len(times), step_s=float(np.median(times)),
+                loss=last_loss / max(last_weight, 1e-9))
+
+
+@torch.no_grad()
+def acceptance(model, ds, feats, base: int, num_anchors: int, seed: int, seqs: int = 8) -> dict:
+    """tau~, accuracy per slot along the served path, and the unary head's top-K recall of the reply's
+    token per slot (DFlash 2's candidates: the selector picks only among them), at seeded anchors of the
+    held-out samples."""
+    B = model.spec.block_size
+    K = model.spec.selector_top_k
+    hits, in_top, valid, accept, blocks = torch.zeros(B), torch.zeros(B), torch.zeros(B), 0.0, 0
+    model.eval()
+    for s in range(0, len(ds), seqs):
+        idx = np.arange(s, min(s + seqs, len(ds)))
+        batch, f = collate(ds, idx), batch_features(feats, base, idx)
+        anchors, cu = draw_anchors(batch.loss_mask, batch.cu_seqlens, num_anchors, anchor_generator(seed, 0, s))
+        labels, _ = block_labels(batch.input_ids, batch.loss_mask, batch.cu_seqlens, anchors, cu, B, 1.0)
+        hidden = model.draft_hidden(model.context(f), batch.input_ids, batch.position_ids, anchors,
+                                    anchor_seq_starts(batch.cu_seqlens, cu, anchors.numel()))
+        drafted = model.block_tokens(hidden, batch.input_ids[anchors])  # (A, B-1)
+        ok = labels[:, 1:] >= 0
+        hit = (drafted == labels[:, 1:]) & ok
+        top = model.lm_head(hidden[:, 1:].to(model.lm_head.weight.dtype)).topk(K, dim=-1).indices
+        in_top[1:] += ((top == labels[:, 1:, None]).any(-1) & ok).sum(0).float()
+        hits[1:] += hit.sum(0).float()
+        valid[1:] += ok.sum(0).float()
+        accept += float((torch.cumprod(hit.long(), 1).sum(1) + 1).sum())
+        blocks += anchors.numel()
+    model.train()
+    acc, recall = (hits / valid.clamp(min=1)).tolist(), (in_top / valid.clamp(min=1)).tolist()
+    return dict(tau=accept / max(blocks, 1), acc=acc, recall_top_k=recall, top_k=K, blocks=blocks)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/smollm2_135m.yaml")
+    p.add_argument("--data", required=True, help="a prepared dataset (data.prepare) of target-regenerated replies")
+    p.add_argument("--heldout", type=int, default=40, help="the dataset's last N samples, never trained on")
+    p.add_argument("--sizes", default="", help="training samples, comma-separated (default: all but the held-out)")
+    p.add_argument("--epochs", type=int, default=0, help="0: train.epochs of the config")
+    p.add_argument("--variants", default="dflash", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--json", default="")
+    p.add_argument("overrides", nargs="*", help="config overrides key=value")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    bad = [v for v in a.variants.split(",") if v not in VARIANTS]
+    if bad:
+        p.error(f"--variants: {bad} not of {list(VARIANTS)}")
+    base_cfg = load_config(a.config, a.overrides)
+    data = Path(a.data)
+    ds = open_dataset(data)
+    if not 0 < a.heldout < len(ds):
+        p.error(f"--heldout {a.heldout}: the dataset {data} has {len(ds)} samples")
+    pool = len(ds) - a.heldout
+    sizes = [int(x) for x in a.sizes.split(",")] if a.sizes else [pool]
+    if any(not 0 < n <= pool for n in sizes):
+        p.error(f"--sizes {sizes}: each must be in [1, {pool}] (the samples before the held-out {a.heldout})")
+    epochs = a.epochs or base_cfg.train.epochs
+    dev = torch.device("cpu")
+    target = build_target(base_cfg, dev)
+    layer_ids = draft_spec(base_cfg, target).target_layer_ids
+    cache = Path(base_cfg.data.cache_dir) / f"learning-features-{feature_key(data, base_cfg.model.target, layer_ids)}.pt"
+    feats = capture_all(target, ds, layer_ids, cache)
+    held = subset(ds, pool, len(ds))
+    rows = []
+    for n in sizes:
+        for v in a.variants.split(","):
+            cfg = load_config(a.config, [*a.overrides, *VARIANTS[v]])
+            r = train(cfg, target, subset(ds, 0, n), feats, epochs)
+            ev = acceptance(r.pop("model"), held, feats, pool, cfg.objective.num_anchors, seed=12345)
+            rows.append(dict(variant=v, samples=n, epochs=epochs, **r, **ev))
+            log.info("%s on %d samples: tau~ %.3f", v, n, ev["tau"])
+    print(f"\nheld-out tau~ (teacher-forced acceptance, {rows[0]['blocks']} blocks of {a.heldout} samples), {data}:")
+    ref = {r["samples"]: r for r in rows if r["variant"] == rows[0]["variant"]}
+    head = f"{'variant':<15}{'samples':>8}{'steps':>7}{'step s':>8}{'x step':>8}{'loss':>8}{'tau~':>8}{'x tau':>7}"
+    slots = [k for k in SHOWN_SLOTS if k < len(rows[0]["acc"])]
+    K = rows[0]["top_k"]
+    print(head + "".join(f"{f'acc@{k}':>8}" for k in slots) + f"{f'top{K}@1':>9}{f'top{K}@4':>9}")
+    for r in rows:
+        base = ref[r["samples"]]
+        print(f"{r['variant']:<15}{r['samples']:>8}{r['steps']:>7}{r['step_s']:>8.2f}{r['step_s'] / base['step_s']:>8.2f}"
+              f"{r['loss']:>8.3f}{r['tau']:>8.3f}{r['tau'] / base['tau']:>7.2f}"
+              + "".join(f"{r['acc'][k]:>8.3f}" for k in slots)
+              + "".join(f"{r['recall_top_k'][k]:>9.3f}" for k in (1, min(4, len(r['acc']) - 1))))
+    if a.json:
+        write_json(a.json, dict(data=str(data), heldout=a.heldout, config=a.config, overrides=a.overrides, rows=rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""bench.learning: drafters trained on the same batches of cached features learn a learnable corpus, and
+the held-out acceptance it reports is the drafted block's accepted prefix."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_dist.bench import learning
+from dflash_dist.data.disk import write_dataset
+
+VOCAB = 64
+
+
+def counting_corpus(n: int, length: int, seed: int):
+    """Each sample counts up modulo VOCAB from a random start; the first 8 tokens are the prompt. A
+    drafter that reads its anchor can draft the whole block."""
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        tokens = (rng.integers(VOCAB) + np.arange(length)) % VOCAB
+        mask = np.arange(length) >= 8
+        yield tokens.astype(np.int64), mask.astype(np.uint8)
+
+
+TINY = ["model.target.kind=tiny", f"model.target.vocab_size={VOCAB}", "objective.block_size=4",
+        "objective.num_anchors=8", "plan.token_budget=256", "optim.lr=1e-2", "optim.warmup_ratio=0.05"]
+
+
+def test_drafters_learn_and_acceptance_is_the_accepted_prefix(tmp_path, capsys):
+    data = write_dataset(tmp_path / "ds", counting_corpus(120, 24, seed=0), vocab_size=VOCAB)
+    out = tmp_path / "learning.json"
+    learning.main(["--config", "", "--data", str(data), "--heldout", "20", "--sizes", "25,100", "--epochs", "6",
+                   "--variants", "dflash,dflash2", "--json", str(out), *TINY, f"data.cache_dir={tmp_path / 'cache'}"])
+    assert "tau~" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["variant"], r["samples"]) for r in rows] == [("dflash", 25), ("dflash2", 25), ("dflash", 100),
+                                                            ("dflash2", 100)]
+    for r in rows:
+        assert 1.0 <= r["tau"] <= 4.0 and r["blocks"] == 20 * 8
+        # the accepted prefix is at most the run of correct slots: tau~ - 1 <= the slots' mean accuracy sum
+        assert r["tau"] - 1.0 <= sum(r["acc"][1:]) + 1e-6
+        # the served pick (the argmax, or the walk's) is one of the head's top-K: recall >= accuracy per slot
+        assert all(t >= c - 1e-6 for t, c in zip(r["recall_top_k"], r["acc"]))
+    small, big = rows[0], rows[2]
+    assert big["steps"] > small["steps"] and big["tau"] > 3.0  # the counting rule, learned
+    assert big["tau"] > small["tau"]
+    # the features were captured once and cached
+    assert len(list((tmp_path / "cache").glob("learning-features-*.pt"))) == 1
+
+
+def test_bad_sizes_name_the_flag(tmp_path):
+    data = write_dataset(tmp_path / "ds", counting_corpus(10, 24, seed=0), vocab_size=VOCAB)
+    with pytest.raises(SystemExit):
+        learning.main(["--config", "", "--data", str(data), "--heldout", "4", "--sizes", "7", *TINY])
