@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dflash_dist.bench import attention as bench_attention
+from dflash_dist.bench import dflash2_step
 from dflash_dist.bench import gpu_check
 from dflash_dist.bench import transport as bench_transport
 
@@ -24,6 +25,16 @@ def test_transport_bench_tiny(tmp_path, capsys):
         assert len(r["packet_all_s"]) == len(r["raw_all_s"]) == 2
         # raw moves exactly the packet's bytes: header, meta (ids, mask, cu_seqlens) and bf16 features
         assert r["bytes"] == 8 * (8 + 2 * r["tokens"] + r["seqs"] + 1) + 2 * r["tokens"] * r["feat_dim"]
+
+
+def test_dflash2_step_bench_tiny(tmp_path, capsys):
+    out = tmp_path / "dflash2_step.json"
+    dflash2_step.main(["--seqs", "2", "--prompt", "8", "--reply", "24", "--num-anchors", "4", "--vocab", "512",
+                       "--hidden", "64", "--reps", "1", "--warmup", "0", "--json", str(out)])
+    assert "| dflash2 |" in capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert res["shape"]["anchors"] == 8 and set(res["step_s"]) == {"dflash", "dflash2"}
+    assert res["ratio"] == res["step_s"]["dflash2"] / res["step_s"]["dflash"] and len(res["dflash2_parts_s"]) == 4
 
 
 def test_attention_bench_tiny(tmp_path, capsys):

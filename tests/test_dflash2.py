@@ -17,8 +17,10 @@ from dflash_dist.evaluation.reference import speculative_generate
 from dflash_dist.evaluation.speculative import ContextDrafter, speculative, target_greedy
 from dflash_dist.models.build import build_drafter, build_target, draft_spec
 from dflash_dist.models.drafter import DFlashDrafter, DraftSpec
+from dflash_dist.models.dflash2 import candidate_logits, unary_top_k, walk
 from dflash_dist.models.export import export_drafter, load_drafter
-from dflash_dist.training.objective import anchor_generator, block_labels, draw_anchors
+from dflash_dist.training.objective import anchor_generator, block_labels, draw_anchors, lm_head_loss
+from dflash_dist.training.selector import _walked_rows
 from dflash_dist.training.stats import StepStats
 from dflash_dist.training.step import drafter_step
 
@@ -157,6 +159,62 @@ class _LargestWithVocab(TorchDispatchMode):
         return out
 
 
+@pytest.mark.parametrize("rows, kind", [(8192, "data"), (7, "data"), (5, "soft"), (3, "dpace")])
+def test_the_loss_top_k_is_unary_top_k(rows, kind):
+    """The candidates `lm_head_loss(top_k=K)` reads off its own logits are `unary_top_k`'s ids at the rows
+    with a label (random float32 logits: no ties), in any row chunks and whatever the loss; their logits
+    and the label's are the head's (to float32 rounding: a matmul against a gather's dot products)."""
+    gen = torch.Generator().manual_seed(rows)
+    A, Bk, Vk, Hk = 9, 6, 300, 24
+    hidden, head = torch.randn(A, Bk, Hk, generator=gen), torch.randn(Vk, Hk, generator=gen)
+    labels = torch.randint(0, Vk, (A, Bk), generator=gen)
+    labels[torch.rand(A, Bk, generator=gen) < 0.3] = -100
+    labels[:, 0] = -100
+    weights = (labels >= 0).float()
+    soft = None
+    if kind == "soft":
+        soft = (torch.softmax(torch.randn(A, Bk, 3, generator=gen), -1), torch.randint(0, Vk, (A, Bk, 3), generator=gen))
+    loss, m, top = lm_head_loss(hidden.requires_grad_(), head, labels, weights, soft, rows=rows, top_k=K,
+                                dpace_alpha=0.5 if kind == "dpace" else None)
+    flat = hidden.detach().reshape(-1, Hk)
+    sel = torch.nonzero(labels.reshape(-1) >= 0).squeeze(1)
+    assert torch.equal(top.ids, unary_top_k(flat[sel], head, K, rows))
+    assert torch.equal(top.ids, unary_top_k(flat, head, K)[sel])  # other row chunks: the same ids
+    torch.testing.assert_close(top.logits, candidate_logits(flat[sel], head, top.ids), rtol=1e-5, atol=1e-5)
+    lab = labels.reshape(-1)[sel]
+    torch.testing.assert_close(top.label_logits, candidate_logits(flat[sel], head, lab[:, None])[:, 0],
+                               rtol=1e-5, atol=1e-5)
+    assert torch.equal(lm_head_loss(hidden, head, labels, weights, soft, rows=rows,
+                                    dpace_alpha=0.5 if kind == "dpace" else None)[0], loss)  # unchanged by it
+
+
+def test_the_walk_passes_label_less_slots_before_a_label(batch):
+    """A loss-mask gap inside a block: those slots' candidates come from their own head pass (the step's
+    reference comparison then covers them); slots after a block's last label need none."""
+    data, _, anchors, anchor_cu = batch
+    labels, _ = block_labels(data.input_ids, data.loss_mask, data.cu_seqlens, anchors, anchor_cu, B, 7.0)
+    lab = labels[:, 1:]
+    assert _walked_rows(lab).any() and _walked_rows(lab).sum() < (lab < 0).sum()
+    lab = torch.tensor([[5, -100, 7, -100, -100], [-100, -100, 3, -100, -100], [-100] * 5])
+    assert _walked_rows(lab).tolist() == [[False, True, False, False, False], [True, True, False, False, False],
+                                          [False] * 5]
+
+
+def test_the_greedy_path_is_the_walk_over_every_edge_score():
+    """`greedy_path` (the training metrics' walk: the chosen predecessor's row only) drafts what `walk`
+    over the whole K x K `edge_scores` drafts (the decoder's; random float32 scores: no ties)."""
+    sel = make_model(seed=3).candidate_selector
+    gen = torch.Generator().manual_seed(3)
+    N, S = 40, 6
+    cand = torch.stack([torch.randperm(V, generator=gen)[:K] for _ in range(N * S)]).view(N, S, K)
+    unary, hidden = torch.randn(N, S, K, generator=gen), torch.randn(N, S, H, generator=gen)
+    anchors = torch.randint(0, V, (N,), generator=gen)
+    with torch.no_grad():
+        want = walk(sel.edge_scores(cand, unary, hidden, anchors), cand)
+        path = sel.greedy_path(cand, unary, hidden, anchors)
+    assert torch.equal(path, want) and (path != cand[:, :, 0]).any()  # not merely the unary argmax
+
+
 def test_codebooks_and_top_k_never_build_rows_by_vocabulary(batch):
     data, feats, anchors, anchor_cu = batch
     rows = 3
@@ -289,8 +347,9 @@ def test_step_stats_carry_the_unary_figures_beside_the_selectors():
 
 
 def test_the_forecast_counts_dflash2_parameters_and_flops():
-    """forecast/memory.py and cost.py: the parameters are the module's, exactly; the FLOPs add the
-    convolutions, the top-K pass and the selector's scores, and nothing for a DFlash run."""
+    """forecast/memory.py and cost.py: the parameters are the module's, exactly; the costs add the
+    convolutions, the top-K read off the loss's logits (no second head pass) and the selector's scores,
+    and nothing for a DFlash run."""
     from dflash_dist.forecast import cost as C
     from dflash_dist.forecast import memory as M
     from dflash_dist.forecast.shapes import model_shapes
@@ -309,7 +368,8 @@ def test_the_forecast_counts_dflash2_parameters_and_flops():
     extra = set(flops["dflash2"]) - set(flops["dflash"])
     assert extra == {"dflash2_conv", "selector_top_k", "selector_scores", "dflash2_conv_elementwise"}
     s, rows = model_shapes(cfg), 40 * (cfg.objective.block_size - 1)
-    assert flops["dflash2"]["selector_top_k"].amount == 2 * rows * s.hidden * s.vocab
+    top_k = flops["dflash2"]["selector_top_k"]
+    assert top_k.kind == "memory" and top_k.amount == rows * s.vocab * M.Precision(device="cpu").drafter_compute
 
 
 @pytest.mark.parametrize("bf16", [False, True])

@@ -1,7 +1,10 @@
 """A DFlash 2 drafter step against a DFlash step on the same batch: seconds and their ratio (issue 28's
 target: dflash2 / dflash <= 1.15), and where DFlash 2's extra time goes.
 
-    python -m dflash_dist.bench.dflash2_step [--seqs 10] [--prompt 72] [--reply 128] [--reps 7]
+    OMP_NUM_THREADS=1 python -m dflash_dist.bench.dflash2_step [--seqs 10] [--prompt 72] [--reply 128] [--reps 7]
+
+One thread is what the recipe's drafter rank gets (parallel/dist.py splits the 2 cores over its 3 ranks);
+without the variable torch takes every core.
 
 The real recipe's shape (configs/smollm2_135m.yaml): SmolLM2-135M's hidden 576 and vocabulary 49,152,
 one draft layer (9 / 3 heads x 64, MLP 1536), block 16, 16 anchors per sequence; a batch of 10 samples of
@@ -9,7 +12,8 @@ a 72-token prompt and a 128-token reply (~160 anchors, the recipe's ~2,000 token
 float32 on CPU. Both drafters start from the same weights (dflash2's own modules randomised, so that the
 walk is not the argmax path) and run `training.step.drafter_step` (forward + backward, grads cleared),
 interleaved, medians over `--reps`. The breakdown times dflash2's parts alone on the step's final
-hidden states: the LM head + loss, the selector term (loss and path metrics) and its pieces.
+hidden states: the LM head + loss (which also gives the selector its top-K), the selector term (loss and
+path metrics), a head matmul and a topk over the drafted rows.
 """
 from __future__ import annotations
 
@@ -84,14 +88,16 @@ def breakdown(model: DFlashDrafter, data, feats, anchors, anchor_cu, reps: int, 
 
     def head_loss():
         h = hidden.clone().requires_grad_()
-        lm_head_loss(h, head, labels, weights)[0].backward()
+        lm_head_loss(h, head, labels, weights, top_k=s.selector_top_k)[0].backward()
+
+    top = lm_head_loss(hidden, head, labels, weights, top_k=s.selector_top_k)[2]
 
     def selector():
         h = hidden.clone().requires_grad_()
-        selector_term(model, h, data.input_ids, anchors, labels, weights)[0].backward()
+        selector_term(model, h, data.input_ids, anchors, labels, weights, top)[0].backward()
 
     flat = hidden[:, 1:].reshape(-1, s.hidden_size)
-    return {"LM head + loss (fwd+bwd)": run(head_loss), "selector term (fwd+bwd)": run(selector),
+    return {"LM head + loss + top-K (fwd+bwd)": run(head_loss), "selector term (fwd+bwd)": run(selector),
             "  a head matmul over the drafted rows": run(lambda: flat @ head.T),
             "  topk over the vocabulary": run(lambda z=flat @ head.T: z.topk(s.selector_top_k, dim=-1))}
 

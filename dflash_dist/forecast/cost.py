@@ -277,7 +277,7 @@ def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, w: BatchShape, chun
                                                + float(spans.sum()) * c * 6 * K) + N * 12 * H),
     }
     if cfg.model.draft.variant == "dflash2":
-        t.update(dflash2_terms(s, cfg, R, rows, w.anchors))
+        t.update(dflash2_terms(s, cfg, R, rows, w.anchors, c))
     if cfg.model.draft.checkpoint_layers:
         # torch's non-reentrant checkpoint stops once the saved tensors are rebuilt: no layer's down_proj
         down = 2 * R * L * s.hidden * s.draft_intermediate
@@ -289,19 +289,21 @@ def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, w: BatchShape, chun
     return RoleCost(t)
 
 
-def dflash2_terms(s: ModelShapes, cfg: Config, R: int, rows: float, anchors: int) -> dict[str, Term]:
+def dflash2_terms(s: ModelShapes, cfg: Config, R: int, rows: float, anchors: int, c: int) -> dict[str, Term]:
     """DFlash 2's FLOPs (training/selector.py) on R block rows, `rows` of them labelled: the two
-    convolutions' projections per layer (trained: 3 x forward), the top-K's second pass of the frozen LM
-    head over the drafted rows (forward only), the K candidates' logits (loss: forward + the input
-    gradient; walk: forward), the codebook scores of the loss (K x R) and of the walk (K x K x R)."""
+    convolutions' projections per layer (trained: 3 x forward), the top-K read off the loss's logits (a
+    topk over each labelled row's V logits, `c` bytes each: no second pass of the head), the input
+    gradient of the K candidates' logits (their forward values come with the top-K), the hidden
+    projection (loss: forward and backward; walk: forward) and the codebook scores of the loss (K x R)
+    and of the walk (K x R: the chosen predecessor's row only)."""
     d = cfg.model.draft
     H, V, K, Rk, L = s.hidden, s.vocab, d.selector_top_k, d.selector_rank, s.draft_layers
     drafted = R - anchors  # block slots 1..B-1
     proj = 2 * 2 * H * 2 * d.conv_kernel_size * (H // d.conv_group_size)  # two convolutions, forward
     return {"dflash2_conv": Term("matmul", 3 * R * L * proj),
-            "selector_top_k": Term("matmul", 2 * drafted * H * V),
-            "selector_scores": Term("matmul", 2 * H * K * (3 * rows + drafted) + 2 * Rk * H * (3 * rows + drafted)
-                                    + 2 * K * Rk * (3 * rows + K * drafted)),
+            "selector_top_k": Term("memory", rows * V * c),
+            "selector_scores": Term("matmul", 2 * H * K * rows + 2 * Rk * H * (3 * rows + drafted)
+                                    + 2 * K * Rk * (3 * rows + drafted)),
             "dflash2_conv_elementwise": Term("memory", 3 * R * L * 2 * 2 * d.conv_kernel_size * H * 12)}
 
 

@@ -354,13 +354,17 @@ def dflash2_row_bytes(s: ModelShapes, p: Precision, cfg: Config) -> int:
 def dflash2_selector_bytes(s: ModelShapes, cfg: Config, labelled: int, drafted: int) -> tuple[int, int]:
     """(saved, transient) bytes of the selector term in one anchor chunk (0s for DFlash): the loss keeps,
     per labelled row, the K successor-codebook rows (float32), the predecessor's row times the hidden
-    projection, the projection, the candidate ids and scores; the walk (no gradient) gathers both
-    codebooks for the K x K scores of every drafted row, after the loss chunks are freed."""
+    projection, the projection, the candidate ids and scores; the walk (no gradient, after the loss
+    chunks are freed) keeps every drafted row's projection and served candidates (ids, logits, scores)
+    and gathers one position's successor rows (K x R per block) at a time (`greedy_path`); the larger
+    transient is the loss's backward, the gradient of its K successor rows per labelled row."""
     d = cfg.model.draft
     if d.variant != "dflash2":
         return 0, 0
     K, Rk = d.selector_top_k, d.selector_rank
-    return labelled * (4 * K * Rk + 2 * 4 * Rk + 2 * 8 * K + 4 * K), drafted * (2 * 4 * K * Rk + 4 * K * K)
+    blocks = drafted // max(1, s.block_size - 1)
+    walk = drafted * (4 * Rk + 16 * K) + blocks * 4 * K * Rk
+    return labelled * (4 * K * Rk + 2 * 4 * Rk + 2 * 8 * K + 4 * K), max(walk, labelled * 4 * K * Rk)
 
 
 def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, worst: BatchShape, chunk: int,

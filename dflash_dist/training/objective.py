@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -194,10 +195,11 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     the compute dtype, next to nothing beside the activations): recomputing the logits in the backward
     would cost a third (rows x H x V) matmul per chunk where this costs two, and the LM head is about a
     quarter of a drafter step's FLOPs. The price is computing a gradient nobody may ask for, so it is
-    skipped when autograd will not need it."""
+    skipped when autograd will not need it. With `top_k` each row's top-k (`HeadTopK`) is read off the same
+    logits (DFlash 2's candidates: no second pass of the head)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, sel, labels, wts, probs, ids, rows: int, need_grad: bool, weigh):
+    def forward(ctx, hidden, weight, sel, labels, wts, probs, ids, rows: int, need_grad: bool, weigh, top_k: int):
         dt = _compute_dtype(hidden)
         flat = hidden.reshape(-1, hidden.shape[-1])
         n = sel.numel()
@@ -205,13 +207,17 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         grad = torch.empty(n, flat.shape[1], dtype=dt, device=hidden.device) if need_grad else None
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         ce = torch.empty(n, dtype=torch.float32, device=hidden.device) if weigh is not None else None
+        top = HeadTopK(torch.empty(n, top_k, dtype=torch.long, device=hidden.device),
+                       torch.empty(n, top_k, dtype=torch.float32, device=hidden.device),
+                       torch.empty(n if top_k else 0, dtype=torch.float32, device=hidden.device))
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dt)  # a no-op when the head is already in the compute dtype (bf16 on CUDA)
             for i in range(0, n, rows):
                 j = min(n, i + rows)
                 soft = None if probs is None else (probs[i:j], ids[i:j])
                 loss += _head_chunk(flat[sel[i:j]].to(dt), w, labels[i:j], wts[i:j], soft, pred[i:j],
-                                    grad[i:j] if need_grad else None, None if ce is None else ce[i:j])
+                                    grad[i:j] if need_grad else None, None if ce is None else ce[i:j],
+                                    HeadTopK(*(t[i:j] for t in top)) if top_k else None)
         used = wts.new_empty(0)  # the weights in effect, when they are not the given ones
         if weigh is not None:  # weights that need every row's loss first: each row's gradient is linear in its
             factor = weigh(ce)  # weight, so the chunks' gradients (at weight wts) are scaled now, no recompute
@@ -219,26 +225,40 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             loss = (ce * used).sum()
             if need_grad:
                 grad.mul_(factor[:, None].to(grad.dtype))
-        ctx.mark_non_differentiable(pred, used)
+        ctx.mark_non_differentiable(pred, used, *top)
         if need_grad:
             ctx.save_for_backward(grad, sel)
             ctx.shape, ctx.dtype = hidden.shape, hidden.dtype
-        return loss, pred, used
+        return loss, pred, used, *top
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_pred, _grad_wts):
+    def backward(ctx, grad_loss, *_non_differentiable):
         grad, sel = ctx.saved_tensors
         out = torch.zeros(ctx.shape, dtype=ctx.dtype, device=grad.device)
         out.view(-1, ctx.shape[-1]).index_copy_(0, sel, (grad * grad_loss).to(ctx.dtype))
-        return out, None, None, None, None, None, None, None, None, None
+        return out, None, None, None, None, None, None, None, None, None, None
 
 
-def _head_chunk(x, w, labels, wts, soft, pred_out, grad_out, ce_out=None) -> torch.Tensor:
-    """One row chunk: writes the argmax into pred_out, if given d(sum w * ce)/dx into grad_out and each
-    row's ce into ce_out; returns sum w * ce. The softmax runs in place on the float32 logits
-    (torch.logsumexp would allocate another (r, V)), so they are the only vocabulary-sized tensor besides
-    the compute-dtype matmul output and input; all die when this returns."""
-    z = (x @ w.T).float()  # (r, V)
+class HeadTopK(NamedTuple):
+    """The head's top-k at each row with a label, read off the loss's logits (`lm_head_loss(top_k=k)`)."""
+    ids: torch.Tensor  # (n, k) torch.topk's order: DFlash 2's served candidates (vLLM's get_top_k_tokens)
+    logits: torch.Tensor  # (n, k) float32, their raw logits (topk's values, before any multiplier or cap)
+    label_logits: torch.Tensor  # (n,) float32, the label's raw logit
+
+
+def _head_chunk(x, w, labels, wts, soft, pred_out, grad_out, ce_out=None, top_out=None) -> torch.Tensor:
+    """One row chunk: writes the argmax into pred_out, if given d(sum w * ce)/dx into grad_out, each
+    row's ce into ce_out and its top-k (`HeadTopK`, k its width) into top_out; returns sum w * ce. The
+    softmax runs in place on the float32 logits (torch.logsumexp would allocate another (r, V)), so they
+    are the only vocabulary-sized tensor besides the compute-dtype matmul output and input; all die when
+    this returns."""
+    raw = x @ w.T  # (r, V)
+    if top_out is not None:  # before the in-place softmax overwrites raw (it is z when already float32)
+        values, ids = raw.topk(top_out.ids.shape[1], dim=-1)  # `unary_top_k`'s topk, in the same dtype
+        top_out.ids.copy_(ids)
+        top_out.logits.copy_(values)
+        top_out.label_logits.copy_(raw.gather(1, labels[:, None])[:, 0])
+    z = raw.float()
     at = z.gather(1, labels[:, None] if soft is None else soft[1])  # target logits, before z is overwritten
     top, arg = z.max(dim=-1)
     pred_out.copy_(arg)
@@ -269,7 +289,7 @@ def _metrics(pred: torch.Tensor, labels: torch.Tensor, loss_sum: torch.Tensor, w
 
 def lm_head_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
                  soft: tuple[torch.Tensor, torch.Tensor] | None = None, rows: int = 8192,
-                 dpace_alpha: float | None = None):
+                 dpace_alpha: float | None = None, top_k: int = 0):
     """The frozen LM head and the weighted cross-entropy of `dflash_loss`, never more than `rows` rows x V
     logits alive at once (forward and backward).
 
@@ -281,7 +301,9 @@ def lm_head_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.
     With `dpace_alpha` (hard labels only) each slot's weight is `weights` x its D-PACE weight
     (`dpace_weights`, from the rows' own cross-entropy, whichever row chunk they fall in); `weights` then
     is 1 on the trained slots. Logits are a matmul in the compute dtype (autocast's, else hidden's), then
-    float32 for the softmax."""
+    float32 for the softmax. With `top_k` > 0 a third value, a `HeadTopK` of the n rows with a label in
+    their (A, B) order: the ids torch.topk gives (what `models.dflash2.unary_top_k` gives those rows in
+    the same compute dtype), their logits and the label's, read off the same chunks (no rows x V kept)."""
     if head_weight.requires_grad:
         raise ValueError("lm_head_loss: the LM head must be frozen (its weight requires grad)")
     if rows < 1:
@@ -300,13 +322,13 @@ def lm_head_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.
             raise ValueError("lm_head_loss: D-PACE needs hard labels (its confidence is the label's probability)")
         weigh = partial(_dpace_rows, sel=sel, trained=labels >= 0, alpha=dpace_alpha)
     need_grad = torch.is_grad_enabled() and hidden.requires_grad
-    loss, pred_rows, used = _ChunkedHeadLoss.apply(hidden, head_weight, sel, lab, wts, probs, ids, rows, need_grad,
-                                                   weigh)
+    loss, pred_rows, used, *top = _ChunkedHeadLoss.apply(hidden, head_weight, sel, lab, wts, probs, ids, rows,
+                                                         need_grad, weigh, top_k)
     with torch.no_grad():
         pred = torch.full((A * B,), -1, dtype=torch.long, device=hidden.device)
         pred[sel] = pred_rows
         m = _metrics(pred.view(A, B), labels, loss.detach(), weights.sum() if weigh is None else used.sum())
-    return loss, m
+    return (loss, m, HeadTopK(*top)) if top_k > 0 else (loss, m)
 
 
 def _dpace_rows(ce_rows: torch.Tensor, sel: torch.Tensor, trained: torch.Tensor, alpha: float) -> torch.Tensor:

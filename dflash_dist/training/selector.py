@@ -11,6 +11,11 @@ tensor), and the gold insertion keeps a gradient on the rows the top-K misses in
 (which would be an uncounted skip of the hardest rows). `objective.selector_detach` stops its gradient
 into the backbone (SpecForge PR 793's option): the selector then trains on the DFlash features alone.
 
+Cost: the top-K and its logits come off the LM head loss's own logits (`lm_head_loss(top_k=K)`), the loss
+and the metrics share them, and the walk scores only its chosen predecessor's row at each position
+(`CandidateSelector.greedy_path`): beside the DFlash step this adds a topk per labelled row, no pass of
+the head but for the label-less slots the walk passes (docs/benchmarks.md, "DFlash 2 step time").
+
 Metrics: `correct` and `accept_sum` follow the greedy walk over the served top-K (what vLLM drafts);
 the unary head's own (argmax) figures come beside them as `unary_*`, and the top-K's recall of the gold
 per slot as `topk_hits` (TorchSpec issue 177: an acceptance read off the unary head hides the selector).
@@ -22,7 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dflash_dist.models.dflash2 import candidate_logits, unary_top_k, unary_values, walk
+from dflash_dist.models.dflash2 import candidate_logits, unary_top_k, unary_values
+from dflash_dist.training.objective import HeadTopK
 
 
 @dataclass
@@ -52,37 +58,64 @@ def _with_gold(ids: torch.Tensor, gold: torch.Tensor) -> tuple[torch.Tensor, tor
     return ids, col, hit
 
 
+def _walked_rows(lab: torch.Tensor) -> torch.Tensor:
+    """(A, S) the drafted slots without a label that the walk passes before one with a label (a loss-mask
+    gap inside a block): their candidates steer the path the metrics read. Slots after a block's last
+    label steer nothing that is counted, so they need none."""
+    trained = lab >= 0
+    return (trained.flip(1).cumsum(1).flip(1) > 0) & ~trained
+
+
 def selector_term(model, hidden: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor,
-                  labels: torch.Tensor, weights: torch.Tensor, *, detach: bool = False,
+                  labels: torch.Tensor, weights: torch.Tensor, top: HeadTopK, *, detach: bool = False,
                   rows: int = 8192) -> tuple[torch.Tensor, SelectorMetrics]:
     """hidden (A, B, H): final-normed drafter states of the blocks at `anchors`; labels/weights (A, B) of
-    the objective. Returns (sum of w * ce, differentiable; metrics on the device)."""
+    the objective; top: the head's top-K at the n slots with a label (`lm_head_loss(..., top_k=K)`'s, read
+    off the loss's logits). Returns (sum of w * ce, differentiable; metrics on the device)."""
     s, sel_mod, head = model.spec, model.candidate_selector, model.lm_head.weight
     A, B, H = hidden.shape
-    h = hidden[:, 1:].to(head.dtype)  # the drafted slots 1..B-1
+    S, K = B - 1, s.selector_top_k
+    h = hidden[:, 1:].to(head.dtype)  # the drafted slots 1..B-1 (slot 0 never has a label)
     lab, wts = labels[:, 1:], weights[:, 1:]
     prev = _previous_tokens(input_ids, anchors, labels)
     flat = h.reshape(-1, H)
-    served = unary_top_k(flat, head, s.selector_top_k, rows)  # (A*(B-1), K), no gradient
     rsel = torch.nonzero(lab.reshape(-1) >= 0).squeeze(1)
+    if top.ids.shape != (rsel.numel(), K):
+        raise ValueError(f"selector_term: top-K ids {tuple(top.ids.shape)} must be (rows with a label, K) = "
+                         f"({rsel.numel()}, {K})")
     gold = lab.reshape(-1)[rsel]
-    ids, col, hit = _with_gold(served[rsel], gold)
+    ids, col, hit = _with_gold(top.ids, gold)
     hl = flat[rsel].detach() if detach else flat[rsel]
-    unary = unary_values(candidate_logits(hl, head, ids, rows), s.output_multiplier, s.final_logit_softcapping)
-    scores = sel_mod.pair_scores(prev.reshape(-1)[rsel, None], ids, unary, hl)[:, 0]  # (n, K)
+    # The candidates' logits are the loss's (the gold's where it took the K-th place): only the backward
+    # gathers head rows.
+    z = top.logits.clone()
+    z[~hit, -1] = top.label_logits[~hit]
+    unary = unary_values(candidate_logits(hl, head, ids, rows, values=z), s.output_multiplier,
+                         s.final_logit_softcapping)
+    scores = sel_mod.scores_after(prev.reshape(-1)[rsel], ids, unary, sel_mod.project(hl))  # (n, K)
     ce = F.cross_entropy(scores, col, reduction="none")
     loss_sum = (ce * wts.reshape(-1)[rsel].float()).sum()
     with torch.no_grad():
-        m = _path_metrics(model, h, served.view(A, B - 1, -1), anchors, input_ids, labels, rsel, hit, rows)
+        # The served candidates and their logits: the loss's top-K, and at the few label-less slots the
+        # walk passes a pass of the head of their own.
+        served = torch.zeros(A * S, K, dtype=torch.long, device=h.device)  # id 0: slots nothing reads
+        served_z = torch.zeros(A * S, K, dtype=torch.float32, device=h.device)
+        served[rsel], served_z[rsel] = top.ids, top.logits
+        gap = torch.nonzero(_walked_rows(lab).reshape(-1)).squeeze(1)
+        if gap.numel():
+            served[gap] = unary_top_k(flat[gap], head, K, rows)
+            served_z[gap] = candidate_logits(flat[gap], head, served[gap], rows)
+        served_u = unary_values(served_z, s.output_multiplier, s.final_logit_softcapping)
+        m = _path_metrics(model, h, served.view(A, S, K), served_u.view(A, S, K), anchors, input_ids, labels,
+                          rsel, hit)
     return loss_sum, SelectorMetrics(loss_sum.detach(), *m)
 
 
-def _path_metrics(model, h, served, anchors, input_ids, labels, rsel, hit, rows):
-    """(correct (B,), accept_sum, topk_hits (B,)) of the greedy walk over the served candidates."""
-    s, A, S = model.spec, h.shape[0], h.shape[1]
-    z = candidate_logits(h.reshape(A * S, -1), model.lm_head.weight, served.reshape(A * S, -1), rows)
-    unary = unary_values(z, s.output_multiplier, s.final_logit_softcapping).view(A, S, -1)
-    path = walk(model.candidate_selector.edge_scores(served, unary, h, input_ids[anchors]), served)
+def _path_metrics(model, h, served, unary, anchors, input_ids, labels, rsel, hit):
+    """(correct (B,), accept_sum, topk_hits (B,)) of the greedy walk over the served candidates (A, S, K)
+    with their unary scores."""
+    A, S = h.shape[0], h.shape[1]
+    path = model.candidate_selector.greedy_path(served, unary, h, input_ids[anchors])
     valid = labels >= 0
     hits = torch.zeros_like(valid)
     hits[:, 1:] = (path == labels[:, 1:]) & valid[:, 1:]

@@ -81,6 +81,7 @@ def drafter_step(model: DFlashDrafter, batch: PackedBatch, features: torch.Tenso
     positions = batch.position_ids
     norm = scale / loss_denominator(dpace, weights.sum().clamp(min=1e-9), A) if batch_mean else scale
     head = model.lm_head.weight
+    top_k = model.spec.selector_top_k if model.spec.dflash2 else 0
     with autocast:
         ctx = model.context(features)
     leaf = ctx.detach().requires_grad_()  # the chunks before the last accumulate the context's gradient here
@@ -101,11 +102,12 @@ def drafter_step(model: DFlashDrafter, batch: PackedBatch, features: torch.Tenso
             hidden = model.draft_hidden((ctx if last else leaf)[lo:hi], batch.input_ids, positions, anchors[sl],
                                         starts[sl], offset=lo)
         chunk_soft = None if soft is None else (soft[0][sl], soft[1][sl])
-        loss_sum, m = lm_head_loss(hidden.to(head.dtype), head, labels[sl], weights[sl], chunk_soft, rows=loss_rows,
-                                   dpace_alpha=dpace_alpha)
+        # DFlash 2's candidates (the head's top-K) come off the loss's own logits: no second head pass.
+        loss_sum, m, *top = lm_head_loss(hidden.to(head.dtype), head, labels[sl], weights[sl], chunk_soft,
+                                         rows=loss_rows, dpace_alpha=dpace_alpha, top_k=top_k)
         if model.spec.dflash2:
             sel_sum, sm = selector_term(model, hidden, batch.input_ids, anchors[sl], labels[sl], weights[sl],
-                                        detach=selector_detach, rows=loss_rows)
+                                        top[0], detach=selector_detach, rows=loss_rows)
             loss_sum, m = loss_sum + selector_weight * sel_sum, with_selector(m, sm, selector_weight)
         if not last:
             (loss_sum * norm).backward()
