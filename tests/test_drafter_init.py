@@ -1,5 +1,8 @@
-"""A fresh drafter against a head tied to the embedding starts near a uniform guess (issue 27 item 8):
-without the scaled final norm it scores its own input (the mask token) far above every other token."""
+"""A fresh drafter starts from the usual initialisation, its final norm at 1, also against a head tied to
+the embedding (SmolLM2). There the untrained drafter scores its own input, the mask token, far above every
+other token (a first loss far above ln V); a final norm started at 1/sqrt(H) removed that, but held the
+logits' scale down for about 0.3 / lr steps and slowed learning (docs/benchmarks.md, "A drafter's first
+steps on a tied head"), so the spike is kept: it lasts a few steps."""
 import math
 from types import SimpleNamespace
 
@@ -23,7 +26,7 @@ def _target(tied: bool):
     return SimpleNamespace(embed_tokens=emb, lm_head=head)
 
 
-def _fresh_loss(tied: bool):
+def _fresh(tied: bool):
     model = build_drafter(SPEC, _target(tied), seed=0, device=torch.device("cpu"))
     g = torch.Generator().manual_seed(1)
     N = 64
@@ -32,19 +35,12 @@ def _fresh_loss(tied: bool):
     anchors = torch.arange(8, N - B, 3)
     with torch.no_grad():
         logits = model(feats, ids, torch.tensor([0, N]), torch.arange(N), anchors, torch.tensor([0, len(anchors)]))
-    labels = ids[anchors[:, None] + torch.arange(B)][:, 1:]
-    ce = nn.functional.cross_entropy(logits[:, 1:].reshape(-1, V), labels.reshape(-1)).item()
-    return model, ce, logits[:, 1:].softmax(-1)[..., SPEC.mask_token_id].mean().item()
+    return model, logits[:, 1:].softmax(-1)[..., SPEC.mask_token_id].mean().item()
 
 
-def test_a_tied_head_starts_near_a_uniform_guess_not_at_its_mask_token():
-    model, ce, p_mask = _fresh_loss(tied=True)
-    assert ce < math.log(V) + 1.0, ce  # at most 1 nat above a uniform guess (norm weight 1: 26.6 nats)
-    assert p_mask < 0.05, p_mask  # its own input, the mask token, is no near-certain guess (weight 1: 1.00)
-    assert torch.allclose(model.norm.weight, torch.full((H,), H ** -0.5))
-
-
-def test_an_untied_head_keeps_the_usual_final_norm():
-    model, _, p_mask = _fresh_loss(tied=False)
-    assert torch.equal(model.norm.weight, torch.ones(H))
-    assert p_mask < 0.05, p_mask  # an untied head does not score the input embedding as its own token
+def test_the_final_norm_starts_at_one_and_a_tied_head_first_scores_the_mask_token():
+    tied, p_tied = _fresh(tied=True)
+    untied, p_untied = _fresh(tied=False)
+    assert torch.equal(tied.norm.weight, torch.ones(H)) and torch.equal(untied.norm.weight, torch.ones(H))
+    assert p_tied > 0.9, p_tied  # the tied head scores the input embedding as its own token: the first steps' spike
+    assert p_untied < 0.05, p_untied  # an untied head does not

@@ -94,5 +94,4 @@ def build_drafter(spec: DraftSpec, target, seed: int, device: torch.device,
         model = DFlashDrafter(spec, checkpoint_layers=checkpoint_layers)
     model = model.to(device)  # trained in float32; bf16 autocast on CUDA
     model.attach_target_head(target.embed_tokens, target.lm_head)
-    model.init_for_tied_head()  # the final norm's start, for a head tied to the embedding
     return model

@@ -111,21 +111,6 @@ class DFlashDrafter(nn.Module):
         object.__setattr__(self, "_embed", embed_tokens)
         object.__setattr__(self, "_lm_head", lm_head)
 
-    def init_for_tied_head(self) -> bool:
-        """Fresh weights only (`build_drafter`, before any load). At init the layers add little to the
-        residual, so the final state is the block's own input embedding; normed to length sqrt(H) and
-        scored by a head tied to that embedding, it gives the input token a logit of about |e| sqrt(H)
-        (SmolLM2: ~51 against a spread of 9): the untrained drafter predicts its mask token at 99% of the
-        slots, a step-1 loss of 45-60 nats against ln V = 10.8. With a tied head the final norm starts at
-        1/sqrt(H) instead of 1, the state's length 1, so no logit exceeds its head row's norm: step 1 at
-        about ln V + 1 and no early spikes (docs/benchmarks.md). An untied head (the tiny target) does not
-        score the input embedding so, and keeps the usual 1. Returns whether it applied."""
-        tied = self._lm_head is not None and self._lm_head.weight is self._embed.weight
-        if tied:
-            with torch.no_grad():
-                self.norm.weight.fill_(self.spec.hidden_size ** -0.5)
-        return tied
-
     @property
     def lm_head(self) -> nn.Linear:
         return self._lm_head
