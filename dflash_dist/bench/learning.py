@@ -175,7 +175,7 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--json", default="")
     p.add_argument("overrides", nargs="*", help="config overrides key=value")
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)  # overrides may come before or after the flags
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if a.threads:
         torch.set_num_threads(a.threads)
