@@ -259,6 +259,7 @@ def _head_chunk(x, w, labels, wts, soft, pred_out, grad_out, ce_out=None, top_ou
         top_out.logits.copy_(values)
         top_out.label_logits.copy_(raw.gather(1, labels[:, None])[:, 0])
     z = raw.float()
+    del raw  # a bf16 matmul output would otherwise live beside its float32 copy to the end of the chunk
     at = z.gather(1, labels[:, None] if soft is None else soft[1])  # target logits, before z is overwritten
     top, arg = z.max(dim=-1)
     pred_out.copy_(arg)
