@@ -235,3 +235,16 @@ def test_a_resumed_run_is_one_time_axis_and_a_repeated_step_counts_once(tmp_path
     times = [r["_t"] for r in run.records if "_t" in r]
     assert times == [1.0, 2.0, 3.0, 3.5, 4.5, 5.5]  # the second process continues after the first
     assert run.state().startswith("running, or ended without a summary")
+
+
+def test_smooth_keeps_the_length_of_a_run_shorter_than_its_window():
+    """A run shorter than the window broke np.convolve's "same" mode, which returns max(n, w) points: the
+    real recipe's test run, 5 steps in its last epoch under the report's 9-point detrending, hit it."""
+    import numpy as np
+    from dflash_dist.report.plotting import smooth
+    y = np.array([1.0, 2.0, np.nan, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0])
+    out, w = smooth(y, 21)
+    assert w == 21 and out.shape == y.shape
+    assert np.allclose(out, np.nanmean(y))  # every point's window holds the whole run: its mean, NaN left out
+    out, w = smooth(np.arange(10.0), 3)
+    assert w == 3 and np.allclose(out[1:-1], np.arange(1.0, 9.0)) and out[0] == 0.5 and out[-1] == 8.5

@@ -55,8 +55,10 @@ def smooth(y: np.ndarray, window: int | None = None) -> tuple[np.ndarray, int]:
         return y.copy(), 1
     ok = np.isfinite(y)
     kernel = np.ones(w)
-    num = np.convolve(np.where(ok, y, 0.0), kernel, mode="same")
-    den = np.convolve(ok.astype(float), kernel, mode="same")
+    # "full", centred by hand: "same" returns max(n, w) points, so a run shorter than the window broke
+    centre = slice((w - 1) // 2, (w - 1) // 2 + n)
+    num = np.convolve(np.where(ok, y, 0.0), kernel, mode="full")[centre]
+    den = np.convolve(ok.astype(float), kernel, mode="full")[centre]
     return np.divide(num, den, out=np.full(n, np.nan), where=den > 0), w
 
 
