@@ -30,13 +30,13 @@ def test_drafters_learn_and_acceptance_is_the_accepted_prefix(tmp_path, capsys):
     data = write_dataset(tmp_path / "ds", counting_corpus(120, 24, seed=0), vocab_size=VOCAB)
     out = tmp_path / "learning.json"
     learning.main(["--config", "", "--data", str(data), "--heldout", "20", "--sizes", "25,100", "--epochs", "6",
-                   "--variants", "dflash,dflash2", "--json", str(out), *TINY, f"data.cache_dir={tmp_path / 'cache'}"])
+                   "--variants", "dflash,dflash2", "--eval-anchors", "12", "--json", str(out), *TINY, f"data.cache_dir={tmp_path / 'cache'}"])
     assert "tau~" in capsys.readouterr().out
     rows = json.loads(out.read_text())["rows"]
     assert [(r["variant"], r["samples"]) for r in rows] == [("dflash", 25), ("dflash2", 25), ("dflash", 100),
                                                             ("dflash2", 100)]
     for r in rows:
-        assert 1.0 <= r["tau"] <= 4.0 and r["blocks"] == 20 * 8
+        assert 1.0 <= r["tau"] <= 4.0 and r["blocks"] == 20 * 12  # --eval-anchors 12 on each held-out sample
         # the accepted prefix is at most the run of correct slots: tau~ - 1 <= the slots' mean accuracy sum
         assert r["tau"] - 1.0 <= sum(r["acc"][1:]) + 1e-6
         # the served pick (the argmax, or the walk's) is one of the head's top-K: recall >= accuracy per slot

@@ -3,7 +3,7 @@ very same batches, then acceptance per block position on held-out samples.
 
     python -m dflash_dist.bench.learning --config configs/smollm2_135m.yaml --data runs/real/prepared \
         model.target.path=runs/real/target [--heldout 40] [--sizes 140,280,560] [--epochs 3] \
-        [--variants dflash,dflash+dpace,dflash2,dflash2+dpace] [--json OUT] [key=value ...]
+        [--variants dflash,dflash+dpace,dflash2,dflash2+dpace] [--eval-anchors 16] [--json OUT] [key=value ...]
 
 The training run's own pieces, in one process and without the transport: the epoch plans (`build_plan`
 under the config's token budget, seeded), the anchors (`draw_anchors`, seeded by epoch and batch),
@@ -172,6 +172,7 @@ def main(argv=None) -> None:
     p.add_argument("--sizes", default="", help="training samples, comma-separated (default: all but the held-out)")
     p.add_argument("--epochs", type=int, default=0, help="0: train.epochs of the config")
     p.add_argument("--variants", default="dflash", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    p.add_argument("--eval-anchors", type=int, default=16, help="held-out anchors per sample (seeded)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--json", default="")
     p.add_argument("overrides", nargs="*", help="config overrides key=value")
@@ -203,7 +204,7 @@ def main(argv=None) -> None:
         for v in a.variants.split(","):
             cfg = load_config(a.config, [*a.overrides, *VARIANTS[v]])
             r = train(cfg, target, subset(ds, 0, n), feats, epochs)
-            ev = acceptance(r.pop("model"), held, feats, pool, cfg.objective.num_anchors, seed=12345)
+            ev = acceptance(r.pop("model"), held, feats, pool, a.eval_anchors, seed=12345)
             rows.append(dict(variant=v, samples=n, epochs=epochs, **r, **ev))
             log.info("%s on %d samples: tau~ %.3f", v, n, ev["tau"])
     print(f"\nheld-out tau~ (teacher-forced acceptance, {rows[0]['blocks']} blocks of {a.heldout} samples), {data}:")
