@@ -5,7 +5,7 @@ very same batches, then acceptance per block position on held-out samples.
         model.target.path=runs/real/target [--heldout 40] [--sizes 140,280,560] [--epochs 3] \
         [--variants dflash,dflash+dpace,dflash2,dflash2+dpace] [--eval-anchors 16] [--json OUT] [key=value ...]
 
-The training run's own pieces, in one process and without the transport: the epoch plans (`build_plan`
+The training run's own pieces, in one process and without the transport: the epoch plans (`plan_for_epoch`
 under the config's token budget, seeded), the anchors (`draw_anchors`, seeded by epoch and batch),
 `drafter_step`, AdamW with the run's warm-up and cosine (`TrainState.create`), gradient clipping. Each
 variant of each size starts from the same seeded weights; `--sizes` are the first N training samples
@@ -40,7 +40,7 @@ from dflash_dist.data.dataset import TokenDataset
 from dflash_dist.data.disk import open_dataset
 from dflash_dist.models.build import build_drafter, build_target, draft_spec
 from dflash_dist.models.drafter import anchor_seq_starts
-from dflash_dist.plan.epochs import build_plan, plan_kwargs
+from dflash_dist.plan.epochs import plan_for_epoch
 from dflash_dist.training.objective import anchor_generator, block_labels, draw_anchors
 from dflash_dist.training.state import TrainState
 from dflash_dist.training.step import drafter_step
@@ -106,13 +106,12 @@ def train(cfg, target, ds, feats, epochs: int) -> dict:
     model = build_drafter(spec, target, cfg.model.draft.seed, torch.device("cpu"))
     o = cfg.objective
     gamma, dpace = loss_gamma(o), o.dpace_alpha if o.position_weights == "dpace" else None
-    plans = [build_plan(ds.lengths, ds.num_supervised, anchorable=ds.num_anchorable, epoch=e, **plan_kwargs(cfg))
-             for e in range(epochs)]
+    plans = [plan_for_epoch(ds, cfg, e) for e in range(epochs)]
     state = TrainState.create(model, cfg, sum(len(p) for p in plans))
     clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-    times, last_loss, last_weight = [], 0.0, 0.0
+    times = []
     for e, plan in enumerate(plans):
-        last_loss = last_weight = 0.0
+        last_loss = last_weight = 0.0  # the epoch's, so the last epoch's mean is reported
         for b in range(len(plan)):
             idx = plan.batch(b)
             batch, f = collate(ds, idx), batch_features(feats, 0, idx)

@@ -80,8 +80,7 @@ def drafter_step(model: DFlashDrafter, batch: PackedBatch, features: torch.Tenso
     starts = host_starts.to(dev)
     positions = batch.position_ids
     norm = scale / loss_denominator(dpace, weights.sum().clamp(min=1e-9), A) if batch_mean else scale
-    head = model.lm_head.weight
-    top_k = model.spec.selector_top_k if model.spec.dflash2 else 0
+    head, top_k = model.lm_head.weight, model.spec.selector_top_k if model.spec.dflash2 else 0  # DFlash 2's top-K
     with autocast:
         ctx = model.context(features)
     leaf = ctx.detach().requires_grad_()  # the chunks before the last accumulate the context's gradient here
