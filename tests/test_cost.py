@@ -9,6 +9,7 @@ import re
 
 import numpy as np
 import pytest
+import helpers
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
@@ -23,7 +24,7 @@ from dflash_dist.forecast.memory import BatchShape, Precision, Sharding
 from dflash_dist.forecast.shapes import model_shapes
 from dflash_dist.models import attention as attn
 from dflash_dist.models.build import build_drafter, draft_spec
-from dflash_dist.training.step import drafter_step
+
 from helpers import smol_shape
 
 TINY = Scaled(hidden=64, vocab=512, intermediate=192, target_layers=4, heads=4, kv_heads=2, head_dim=16,
@@ -70,7 +71,7 @@ def test_drafter_flops_match_torch_count(path, checkpoint):
     feats, _ = capture_for_drafter(target, batch, list(spec.target_layer_ids), cfg.objective, torch.float32)
 
     def step():
-        drafter_step(model, batch, feats, None, anchors, anchor_cu, gamma=loss_gamma(cfg.objective),
+        helpers.train_step(model, batch, feats, None, anchors, anchor_cu, gamma=loss_gamma(cfg.objective),
                      anchor_chunk=TINY.anchor_chunk, loss_rows=TINY.loss_rows)
 
     attn.backend.use(path)

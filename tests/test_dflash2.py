@@ -6,6 +6,7 @@ import json
 from dataclasses import replace
 
 import pytest
+import helpers
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
@@ -20,9 +21,9 @@ from dflash_dist.models.drafter import DFlashDrafter, DraftSpec
 from dflash_dist.models.dflash2 import candidate_logits, unary_top_k, walk
 from dflash_dist.models.export import export_drafter, load_drafter
 from dflash_dist.training.objective import anchor_generator, block_labels, draw_anchors, lm_head_loss
-from dflash_dist.training.selector import _walked_rows
+from dflash_dist.models.variants.dflash2_loss import _walked_rows
 from dflash_dist.training.stats import StepStats
-from dflash_dist.training.step import drafter_step
+
 
 CPU = torch.device("cpu")
 B, V, H, K, R = 4, 48, 32, 5, 8
@@ -114,7 +115,7 @@ def test_dflash2_step_equals_the_plain_reference(batch, anchor_chunk, loss_rows,
                                      allow_unused=True)
     # With detach the backbone sees the unary loss alone; the selector's own gradient is unchanged.
     want = {k: f if not detach or "candidate_selector" in k else u for k, f, u in zip(names, full, unary_only)}
-    m = drafter_step(model, data, feats, None, anchors, anchor_cu, gamma=7.0, anchor_chunk=anchor_chunk,
+    m = helpers.train_step(model, data, feats, None, anchors, anchor_cu, gamma=7.0, anchor_chunk=anchor_chunk,
                      loss_rows=loss_rows, selector_weight=alpha, selector_detach=detach)
     for k, p in model.named_parameters():
         # float32 rounding (~30 ulp of the tensor's largest entry): the chunked sums add in another order
@@ -133,10 +134,10 @@ def test_acc_and_tau_follow_the_selector_path_not_the_unary_head(batch):
     opt = torch.optim.Adam(model.parameters(), lr=2e-2)
     for _ in range(40):
         opt.zero_grad()
-        drafter_step(model, data, feats, None, anchors, anchor_cu, gamma=7.0, selector_weight=1.0)
+        helpers.train_step(model, data, feats, None, anchors, anchor_cu, gamma=7.0, selector_weight=1.0)
         opt.step()
     _, _, hits, unary_hits, accept = reference(model, data, feats, anchors, anchor_cu, 1.0)
-    m = drafter_step(model, data, feats, None, anchors, anchor_cu, gamma=7.0)
+    m = helpers.train_step(model, data, feats, None, anchors, anchor_cu, gamma=7.0)
     assert m.correct.tolist() == hits.tolist() and m.unary_correct.tolist() == unary_hits.tolist()
     assert float(m.accept_sum) == pytest.approx(accept)
     assert hits.sum() > 0 and hits.tolist() != unary_hits.tolist()
@@ -221,7 +222,7 @@ def test_codebooks_and_top_k_never_build_rows_by_vocabulary(batch):
     assert anchors.numel() * (B - 1) > 4 * rows
     model = make_model()
     with _LargestWithVocab(model.lm_head.weight) as probe:
-        drafter_step(model, data, feats, None, anchors, anchor_cu, gamma=7.0, anchor_chunk=2, loss_rows=rows)
+        helpers.train_step(model, data, feats, None, anchors, anchor_cu, gamma=7.0, anchor_chunk=2, loss_rows=rows)
     assert probe.rows == rows
 
 

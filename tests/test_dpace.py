@@ -20,7 +20,7 @@ from dflash_dist.config import ConfigError, load_config
 from dflash_dist.parallel.sharding import make_sharding
 from dflash_dist.training.objective import block_labels, dpace_weights, lm_head_loss, loss_denominator
 from dflash_dist.training.stats import StepStats
-from dflash_dist.training.step import drafter_step
+
 from test_loss_norm import B, assert_drafters_give, make_batch, make_model, merged
 
 ALPHA = 0.5  # the paper's
@@ -104,7 +104,7 @@ def test_dpace_needs_hard_labels():
 def step_grads(chunk: int, rows: int, dpace_alpha=ALPHA, batch: int = 0):
     model = make_model()
     data, feats, anchors, acu = make_batch(batch)
-    m = drafter_step(model, data, feats, None, anchors, acu, gamma=3.0, anchor_chunk=chunk, loss_rows=rows,
+    m = helpers.train_step(model, data, feats, None, anchors, acu, gamma=3.0, anchor_chunk=chunk, loss_rows=rows,
                      dpace_alpha=dpace_alpha)
     return {k: p.grad for k, p in model.named_parameters()}, m, anchors.numel()
 
@@ -124,7 +124,7 @@ def test_a_batch_mean_under_dpace_divides_by_the_blocks_not_the_weight_sum():
     mean, m, A = step_grads(0, 8192)
     model = make_model()
     data, feats, anchors, acu = make_batch(0)
-    drafter_step(model, data, feats, None, anchors, acu, gamma=3.0, batch_mean=False, dpace_alpha=ALPHA)
+    helpers.train_step(model, data, feats, None, anchors, acu, gamma=3.0, batch_mean=False, dpace_alpha=ALPHA)
     assert m.num_blocks == A and not math.isclose(float(m.weight_sum), A, rel_tol=1e-3)
     for k, p in model.named_parameters():
         torch.testing.assert_close(p.grad / A, mean[k], rtol=1e-5, atol=1e-8, msg=k)
@@ -134,7 +134,7 @@ def test_a_batch_mean_under_dpace_divides_by_the_blocks_not_the_weight_sum():
 def reference_grads(num_batches: int) -> dict:
     model = make_model()
     data, feats, anchors, acu = merged([make_batch(i) for i in range(num_batches)])
-    drafter_step(model, data, feats, None, anchors, acu, gamma=3.0, dpace_alpha=ALPHA)  # / its own blocks
+    helpers.train_step(model, data, feats, None, anchors, acu, gamma=3.0, dpace_alpha=ALPHA)  # / its own blocks
     return {k: p.grad for k, p in model.named_parameters()}
 
 
@@ -150,13 +150,13 @@ def _worker(rank, world, port, kind, num_batches, chunk, out):
         stats = StepStats(B)
         if rank < num_batches:
             data, feats, anchors, acu = make_batch(rank)
-            m = drafter_step(model, data, feats, None, anchors, acu, gamma=3.0, anchor_chunk=chunk,
+            m = helpers.train_step(model, data, feats, None, anchors, acu, gamma=3.0, anchor_chunk=chunk,
                              scale=sh.loss_scale(1), batch_mean=False, before_last_chunk=sh.before_last_chunk,
                              dpace_alpha=ALPHA)
             stats.weight_sum, stats.blocks = m.weight_sum, m.num_blocks
         elif sh.idle_computes:  # FSDP: the idle drafter's zero-weight step joins the collectives
             data, feats, anchors, acu = make_batch(0)
-            drafter_step(model, data, feats, None, anchors, acu, gamma=3.0, anchor_chunk=chunk, scale=0.0,
+            helpers.train_step(model, data, feats, None, anchors, acu, gamma=3.0, anchor_chunk=chunk, scale=0.0,
                          batch_mean=False, before_last_chunk=sh.before_last_chunk, dpace_alpha=ALPHA)
         sh.finish_grads(1)
         t = stats.pack(torch.device("cpu"))
@@ -186,7 +186,7 @@ def test_a_rank_local_denominator_is_another_gradient():
     model = make_model()
     for i in range(3):
         data, feats, anchors, acu = make_batch(i)
-        drafter_step(model, data, feats, None, anchors, acu, gamma=3.0, scale=1 / 3, dpace_alpha=ALPHA)
+        helpers.train_step(model, data, feats, None, anchors, acu, gamma=3.0, scale=1 / 3, dpace_alpha=ALPHA)
     want = reference_grads(3)
     rel = max(float((p.grad - want[k]).norm() / want[k].norm()) for k, p in model.named_parameters())
     assert rel > 0.05, rel

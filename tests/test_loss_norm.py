@@ -9,6 +9,7 @@ import os
 import time
 
 import pytest
+import helpers
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -18,7 +19,7 @@ from dflash_dist.data.collate import PackedBatch
 from dflash_dist.models.drafter import DFlashDrafter, DraftSpec
 from dflash_dist.training.objective import anchor_generator, draw_anchors
 from dflash_dist.parallel.sharding import make_sharding
-from dflash_dist.training.step import drafter_step
+
 
 B, V, H = 4, 48, 32
 SPEC = DraftSpec(vocab_size=V, hidden_size=H, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -60,7 +61,7 @@ def merged(batches):
 def reference_grads(num_batches: int) -> dict:
     model = make_model()
     data, feats, anchors, acu = merged([make_batch(i) for i in range(num_batches)])
-    drafter_step(model, data, feats, None, anchors, acu, gamma=3.0)  # the merged batch's own mean
+    helpers.train_step(model, data, feats, None, anchors, acu, gamma=3.0)  # the merged batch's own mean
     return {k: p.grad for k, p in model.named_parameters()}
 
 
@@ -74,12 +75,12 @@ def _worker(rank, world, port, kind, num_batches, chunk, out):
         weight = torch.zeros((), dtype=torch.float64)
         if rank < num_batches:
             data, feats, anchors, acu = make_batch(rank)
-            m = drafter_step(model, data, feats, None, anchors, acu, gamma=3.0, anchor_chunk=chunk,
+            m = helpers.train_step(model, data, feats, None, anchors, acu, gamma=3.0, anchor_chunk=chunk,
                              scale=sh.loss_scale(1), batch_mean=False, before_last_chunk=sh.before_last_chunk)
             weight += float(m.weight_sum)
         elif sh.idle_computes:  # FSDP: the idle drafter's zero-weight step joins the collectives
             data, feats, anchors, acu = make_batch(0)
-            drafter_step(model, data, feats, None, anchors, acu, gamma=3.0, anchor_chunk=chunk, scale=0.0,
+            helpers.train_step(model, data, feats, None, anchors, acu, gamma=3.0, anchor_chunk=chunk, scale=0.0,
                          batch_mean=False, before_last_chunk=sh.before_last_chunk)
         sh.finish_grads(1)
         dist.all_reduce(weight)
@@ -126,7 +127,7 @@ def test_the_mean_of_batch_means_is_another_gradient():
     model = make_model()
     for i in range(2):
         data, feats, anchors, acu = make_batch(i)
-        drafter_step(model, data, feats, None, anchors, acu, gamma=3.0, scale=0.5)  # mean of 2 batch means
+        helpers.train_step(model, data, feats, None, anchors, acu, gamma=3.0, scale=0.5)  # mean of 2 batch means
     want = reference_grads(2)
     rel = max(float((p.grad - want[k]).norm() / want[k].norm()) for k, p in model.named_parameters())
     assert rel > 0.05, rel

@@ -1,11 +1,12 @@
 """The drafter step: anchor chunks, layer checkpointing and the fused context change memory, not results."""
 import pytest
+import helpers
 import torch
 
 from dflash_dist.data.collate import PackedBatch
 from dflash_dist.models.drafter import DFlashDrafter, DraftSpec
 from dflash_dist.training.objective import anchor_generator, dflash_loss, draw_anchors
-from dflash_dist.training.step import batch_targets, drafter_step
+from dflash_dist.training.step import batch_targets
 from dflash_dist.parallel.transport import TargetLabels
 
 B, V, H = 4, 48, 32
@@ -40,7 +41,7 @@ def batch():
 
 def grads_of(model, data, feats, anchors, anchor_cu, target, **kw):
     model.zero_grad(set_to_none=True)
-    m = drafter_step(model, data, feats, target, anchors, anchor_cu, gamma=7.0, **kw)
+    m = helpers.train_step(model, data, feats, target, anchors, anchor_cu, gamma=7.0, **kw)
     return {k: p.grad.clone() for k, p in model.named_parameters()}, m
 
 
@@ -100,5 +101,5 @@ def test_scale_multiplies_the_gradients(batch):
 def test_a_batch_without_anchors_is_refused(batch):
     data, feats, *_ = batch
     with pytest.raises(ValueError, match="without any anchor"):
-        drafter_step(make_model(), data, feats, None, torch.zeros(0, dtype=torch.long),
+        helpers.train_step(make_model(), data, feats, None, torch.zeros(0, dtype=torch.long),
                      torch.zeros(4, dtype=torch.long), gamma=7.0)

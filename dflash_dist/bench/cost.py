@@ -151,23 +151,22 @@ def _measure_and_predict(sc, reps: int, dev) -> dict:
     import torch
 
     from dflash_dist.training.capture import capture_for_drafter
-    from dflash_dist.config import loss_gamma
     from dflash_dist.forecast.memory import Sharding
     from dflash_dist.models.build import build_drafter, draft_spec
-    from dflash_dist.training.step import drafter_step
+    from dflash_dist.training.step import StepBatch, drafter_step, step_settings
 
     cfg, target, batch, anchors, anchor_cu, shape = scaled_job(sc, dev)
     spec = draft_spec(cfg, target)
     layer_ids = list(spec.target_layer_ids)
     model = build_drafter(spec, target, cfg.model.draft.seed, dev, False)
     opt = torch.optim.AdamW(list(model.parameters()), lr=1e-4)
-    gamma, dt = loss_gamma(cfg.objective), torch.bfloat16 if sc.bf16 else torch.float32
-    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=sc.bf16)
+    dt = torch.bfloat16 if sc.bf16 else torch.float32
+    settings = replace(step_settings(cfg.objective, spec, torch.bfloat16 if sc.bf16 else None),
+                       anchor_chunk=sc.anchor_chunk, loss_rows=sc.loss_rows, batch_mean=True)
     feats, labels = capture_for_drafter(target, batch, layer_ids, cfg.objective, dt)
 
     def run_drafter():
-        drafter_step(model, batch, feats, labels, anchors, anchor_cu, gamma=gamma, anchor_chunk=sc.anchor_chunk,
-                     loss_rows=sc.loss_rows, autocast=autocast)
+        drafter_step(model, StepBatch(batch, feats, labels, anchors, anchor_cu), settings)
         opt.step()
         opt.zero_grad(set_to_none=True)
 

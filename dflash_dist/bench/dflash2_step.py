@@ -27,8 +27,9 @@ from dflash_dist.bench.jobs import write_json
 from dflash_dist.data.collate import PackedBatch
 from dflash_dist.models.drafter import DFlashDrafter, DraftSpec, anchor_seq_starts
 from dflash_dist.training.objective import anchor_generator, block_labels, draw_anchors, lm_head_loss
-from dflash_dist.training.selector import selector_term
-from dflash_dist.training.step import drafter_step
+from dflash_dist.config import ObjectiveConfig
+from dflash_dist.models.variants.dflash2_loss import selector_term
+from dflash_dist.training.step import StepBatch, drafter_step, step_settings
 
 CPU = torch.device("cpu")
 GAMMA = 7.0
@@ -124,9 +125,11 @@ def main(argv: list[str] | None = None) -> int:
                                                  spec.vocab_size, args.seed)
 
     def step(model):
+        settings = step_settings(ObjectiveConfig(block_size=spec.block_size, gamma=GAMMA, loss_norm="batch"), model.spec)
+
         def go():
             model.zero_grad(set_to_none=True)
-            drafter_step(model, data, feats, None, anchors, anchor_cu, gamma=GAMMA)
+            drafter_step(model, StepBatch(data, feats, None, anchors, anchor_cu), settings)
         return go
 
     sec = time_interleaved({k: step(m) for k, m in drafters.items()}, args.reps, args.warmup, CPU)

@@ -56,7 +56,7 @@ import numpy as np
 
 from dflash_dist.bench.gpu_setup import device, feature_layers, packed_batch, reference_drafter
 from dflash_dist.bench.sections import ROOT, Report, print_table, run_one, run_sections, run_tree
-from dflash_dist.config import Config, TargetConfig, load_config, loss_gamma
+from dflash_dist.config import Config, TargetConfig, load_config
 
 # torch is imported where it is used: a section's process (and the hidden test section) starts in a
 # fraction of a second, and the parent process never loads what the sections measure.
@@ -242,7 +242,7 @@ def section_drafter(rep: Report, dry: bool, deadline: float) -> None:
     from dflash_dist.bench.common import timed
     from dflash_dist.models import attention as attn
     from dflash_dist.training.objective import draw_anchors
-    from dflash_dist.training.step import drafter_step
+    from dflash_dist.training.step import StepBatch, drafter_autocast, drafter_step, step_settings
 
     dev, cfg = device(dry), reference_config(dry)
     t, o = cfg.model.target, cfg.objective
@@ -258,8 +258,7 @@ def section_drafter(rep: Report, dry: bool, deadline: float) -> None:
             f"{cfg.model.draft.checkpoint_layers}")
 
     warm_block_attention(rep, dev, compute, t, B)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
-    gamma = loss_gamma(o)
+    settings = replace(step_settings(o, spec, drafter_autocast(dev)), batch_mean=True)
 
     for name, (lengths, supervised) in batches.items():
         batch = packed_batch(lengths, supervised, t.vocab_size, dev)
@@ -272,8 +271,7 @@ def section_drafter(rep: Report, dry: bool, deadline: float) -> None:
                 f"longest {int(np.max(lengths))}")
 
         def step():
-            drafter_step(model, batch, feats, None, anchors, anchor_cu, gamma=gamma, anchor_chunk=o.anchor_chunk,
-                         loss_rows=o.loss_rows, autocast=autocast)
+            drafter_step(model, StepBatch(batch, feats, None, anchors, anchor_cu), settings)
             opt.step()
             opt.zero_grad(set_to_none=True)
 

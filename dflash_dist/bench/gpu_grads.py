@@ -14,7 +14,9 @@ that flex's backward is left to CUDA.
 """
 from __future__ import annotations
 
-from dflash_dist.config import load_config, loss_gamma
+from dataclasses import replace
+
+from dflash_dist.config import load_config
 
 TOL = {"float32": 1e-3, "bfloat16": 5e-2}
 LENGTHS = (320, 96, 513, 200)  # packed sequences: tile-unaligned, one shorter than a flex tile
@@ -35,16 +37,14 @@ def rel_err(x, ref) -> float:
     return float((x.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30))
 
 
-def drafter_step_on(path: str, model, batch, feats, anchors, anchor_cu, cfg, autocast):
-    """(loss, {name: gradient}) of one drafter step on attention path `path`."""
+def drafter_step_on(path: str, model, batch, settings):
+    """(loss, {name: gradient}) of one drafter step (a `StepBatch`) on attention path `path`."""
     from dflash_dist.models import attention as attn
     from dflash_dist.training.step import drafter_step
-    o = cfg.objective
     model.zero_grad(set_to_none=True)
     attn.backend.use(path)
     try:
-        m = drafter_step(model, batch, feats, None, anchors, anchor_cu, gamma=loss_gamma(o),
-                         anchor_chunk=o.anchor_chunk, loss_rows=o.loss_rows, autocast=autocast)
+        m = drafter_step(model, batch, settings)
     finally:
         attn.backend.use(None)
     loss = float(m.loss_sum) / float(m.weight_sum)
@@ -66,6 +66,7 @@ def check_drafter(rep, dry: bool, bad: list) -> None:
 
     from dflash_dist.bench.gpu_setup import device, packed_batch, reference_drafter
     from dflash_dist.training.objective import draw_anchors
+    from dflash_dist.training.step import StepBatch, step_settings
     dev, cfg = device(dry), small_config(dry)
     batch = packed_batch(LENGTHS, [L - PROMPT for L in LENGTHS], SMALL["vocab_size"], dev)
     anchors, anchor_cu = draw_anchors(batch.loss_mask, batch.cu_seqlens, cfg.objective.num_anchors,
@@ -79,10 +80,12 @@ def check_drafter(rep, dry: bool, bad: list) -> None:
         _, model = reference_drafter(cfg, dev, torch.float32)  # trained in float32; bf16 under autocast
         g = torch.Generator(device=dev).manual_seed(2)
         feats = torch.randn(batch.num_tokens, 2 * SMALL["hidden_size"], device=dev, generator=g).to(dt)
-        autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dt == torch.bfloat16)
-        ref_loss, ref = drafter_step_on("ref", model, batch, feats, anchors, anchor_cu, cfg, autocast)
+        step_batch = StepBatch(batch, feats, None, anchors, anchor_cu)
+        settings = replace(step_settings(cfg.objective, model.spec, torch.bfloat16 if dt == torch.bfloat16 else None),
+                           batch_mean=True)
+        ref_loss, ref = drafter_step_on("ref", model, step_batch, settings)
         for path in paths:
-            loss, grads = drafter_step_on(path, model, batch, feats, anchors, anchor_cu, cfg, autocast)
+            loss, grads = drafter_step_on(path, model, step_batch, settings)
             tol = TOL[name]
             ok = abs(loss - ref_loss) <= tol * abs(ref_loss)
             rep.add(f"drafter {name} {path} loss", loss, f"{'ok' if ok else 'MISMATCH'}: ref {ref_loss:.6g}")

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from dflash_dist.bench.jobs import write_json
-from dflash_dist.config import load_config, loss_gamma
+from dflash_dist.config import load_config
 from dflash_dist.data.collate import collate
 from dflash_dist.data.dataset import TokenDataset
 from dflash_dist.data.disk import open_dataset
@@ -43,7 +43,7 @@ from dflash_dist.models.drafter import anchor_seq_starts
 from dflash_dist.plan.epochs import plan_for_epoch
 from dflash_dist.training.objective import anchor_generator, block_labels, draw_anchors
 from dflash_dist.training.state import TrainState
-from dflash_dist.training.step import drafter_step
+from dflash_dist.training.step import StepBatch, drafter_step, step_settings
 
 log = logging.getLogger("dflash_dist.bench.learning")
 
@@ -105,10 +105,10 @@ def train(cfg, target, ds, feats, epochs: int) -> dict:
     spec = draft_spec(cfg, target)
     model = build_drafter(spec, target, cfg.model.draft.seed, torch.device("cpu"))
     o = cfg.objective
-    gamma, dpace = loss_gamma(o), o.dpace_alpha if o.position_weights == "dpace" else None
+    # One batch per optimizer step: the batch's own mean is the step's (objective.loss_norm alike).
+    settings = dataclasses.replace(step_settings(o, spec), batch_mean=True)
     plans = [plan_for_epoch(ds, cfg, e) for e in range(epochs)]
     state = TrainState.create(model, cfg, sum(len(p) for p in plans))
-    clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
     times = []
     for e, plan in enumerate(plans):
         last_loss = last_weight = 0.0  # the epoch's, so the last epoch's mean is reported
@@ -118,13 +118,8 @@ def train(cfg, target, ds, feats, epochs: int) -> dict:
             anchors, cu = draw_anchors(batch.loss_mask, batch.cu_seqlens, o.num_anchors,
                                        anchor_generator(cfg.train.seed, e, b))
             t0 = time.perf_counter()
-            state.optimizer.zero_grad(set_to_none=True)
-            m = drafter_step(model, batch, f, None, anchors, cu, gamma=gamma, anchor_chunk=o.anchor_chunk,
-                             loss_rows=o.loss_rows, dpace_alpha=dpace, selector_weight=o.selector_weight,
-                             selector_detach=o.selector_detach)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            state.optimizer.step()
-            state.scheduler.step()
+            m = drafter_step(model, StepBatch(batch, f, None, anchors, cu), settings)
+            state.optimizer_step(list(model.parameters()), cfg, float(m.loss_sum))  # the run's, its skip included
             times.append(time.perf_counter() - t0)
             last_loss, last_weight = last_loss + float(m.loss_sum), last_weight + float(m.weight_sum)
         log.info("epoch %d: %d steps, loss %.3f (%.1f s a step)", e, len(plan), last_loss / max(last_weight, 1e-9),

@@ -23,7 +23,6 @@ tensors and are not seen. It then checks a transformers target's capture the sam
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import tempfile
 import time
@@ -38,7 +37,7 @@ from torch.utils._pytree import tree_leaves
 from dflash_dist.checkpoints.files import check_output_path, write_json
 from dflash_dist.forecast import memory as M
 from dflash_dist.forecast.shapes import TARGET_SHAPES, check_target_split, model_shapes
-from dflash_dist.config import Config, ConfigError, load_config, loss_gamma, ranged
+from dflash_dist.config import Config, ConfigError, load_config, ranged
 
 
 # -- measurement --------------------------------------------------------------------------------------
@@ -217,10 +216,9 @@ def _validate_drafter(sc: Scaled, cfg: Config, worst: M.BatchShape, target, spec
                       time_steps: bool, reps: int) -> dict:
     """The drafter step's peak live and saved bytes, chunked and unchunked (and their step times)."""
     from dflash_dist.models.build import build_drafter
-    from dflash_dist.training.step import drafter_step
+    from dflash_dist.training.step import StepBatch, drafter_step, step_settings
     feats, labels = packet
     model = build_drafter(spec, target, cfg.model.draft.seed, torch.device("cpu"), sc.checkpoint_layers)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if sc.bf16 else contextlib.nullcontext()
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=1e-4)
     for p in params:  # the optimizer's state exists from the first step on
@@ -228,11 +226,11 @@ def _validate_drafter(sc: Scaled, cfg: Config, worst: M.BatchShape, target, spec
     opt.step()
     opt.zero_grad(set_to_none=True)
     state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    gamma = loss_gamma(cfg.objective)
+    settings = replace(step_settings(cfg.objective, spec, torch.bfloat16 if sc.bf16 else None),
+                       loss_rows=sc.loss_rows, batch_mean=True)
 
     def step(chunk: int):
-        drafter_step(model, batch, feats, labels, anchors, anchor_cu, gamma=gamma, anchor_chunk=chunk,
-                     loss_rows=sc.loss_rows, autocast=autocast)
+        drafter_step(model, StepBatch(batch, feats, labels, anchors, anchor_cu), replace(settings, anchor_chunk=chunk))
 
     out: dict = {}
     for name, chunk in (("chunked", sc.anchor_chunk), ("unchunked", 0)):

@@ -27,9 +27,10 @@ def read_export_config(draft_dir: str | Path) -> dict:
     dc = cfg.get("dflash_config")
     if not isinstance(dc, dict) or not {"mask_token_id", "target_layer_ids"} <= dc.keys():
         missing.append("dflash_config {mask_token_id, target_layer_ids}")
-    if "DFlash2DraftModel" in (cfg.get("architectures") or []) and isinstance(dc, dict):
-        from dflash_dist.models.export import DFLASH2_KEYS
-        missing += [f"dflash_config.{k} (DFlash2DraftModel)" for k in DFLASH2_KEYS if k not in dc]
+    if isinstance(dc, dict):
+        from dflash_dist.models.variants import variant_of_export
+        v = variant_of_export(cfg)
+        missing += [f"dflash_config.{k} ({v.architecture})" for k in v.config_keys if k not in dc]
     if missing:
         raise EvalInputError(f"{path}: missing {', '.join(missing)} (not a DFlash export)")
     return cfg

@@ -6,6 +6,7 @@ import torch
 from dflash_dist.config import Config, ConfigError, default_target_layer_ids
 from dflash_dist.models.drafter import DFlashDrafter, DraftSpec
 from dflash_dist.models.qwen3 import TinyQwen3
+from dflash_dist.models.variants import variant_of
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -62,8 +63,7 @@ def draft_spec(cfg: Config, target) -> DraftSpec:
     kv = d.num_kv_heads or target.num_kv_heads
     if heads % kv:
         raise ConfigError(f"config key 'model.draft.num_kv_heads': {kv} does not divide num_heads {heads}")
-    if d.variant == "dflash2":
-        _check_dflash2(d, target)
+    variant_of(d.variant).check(d, target)
     return DraftSpec(
         vocab_size=target.vocab_size, hidden_size=target.hidden_size,
         intermediate_size=d.intermediate_size or target.intermediate_size, num_layers=d.num_layers,
@@ -74,16 +74,6 @@ def draft_spec(cfg: Config, target) -> DraftSpec:
         conv_kernel_size=d.conv_kernel_size, conv_group_size=d.conv_group_size, selector_top_k=d.selector_top_k,
         selector_rank=d.selector_rank, output_multiplier=d.output_multiplier,
         final_logit_softcapping=d.final_logit_softcapping)
-
-
-def _check_dflash2(d, target) -> None:
-    """The DFlash 2 keys that need the target's shapes."""
-    if target.hidden_size % d.conv_group_size:
-        raise ConfigError(f"config key 'model.draft.conv_group_size': {d.conv_group_size} does not divide the "
-                          f"target's hidden size {target.hidden_size}")
-    if d.selector_top_k > target.vocab_size:
-        raise ConfigError(f"config key 'model.draft.selector_top_k': {d.selector_top_k} exceeds the target's "
-                          f"vocabulary ({target.vocab_size})")
 
 
 def build_drafter(spec: DraftSpec, target, seed: int, device: torch.device,

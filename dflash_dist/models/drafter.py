@@ -15,9 +15,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dflash_dist.models.attention import packed_block_attention, prepare_block_attention
-from dflash_dist.models.dflash2 import (CandidateSelector, GroupedConv, around, candidate_logits, unary_top_k,
-                                        unary_values, walk)
+from dflash_dist.models.dflash2 import around, candidate_logits, unary_top_k, unary_values
 from dflash_dist.models.qwen3 import DecoderLayer, RMSNorm, apply_rope, rope_cos_sin
+from dflash_dist.models.variants import Variant, variant_of
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class DraftSpec:
     # The target's context length, exported as the drafter's: the engines feed the drafter positions up
     # to the target's, and SGLang refuses a draft with a shorter context (docs/serving.md).
     max_position_embeddings: int = 40960
-    # `dflash` or `dflash2` (models/dflash2.py: the grouped convolution and the candidate selector).
+    # A name of models/variants' registry: `dflash`, `dflash2` (the grouped convolution and the selector).
     variant: str = "dflash"
     conv_kernel_size: int = 2
     conv_group_size: int = 16
@@ -49,22 +49,19 @@ class DraftSpec:
     final_logit_softcapping: float = 0.0  # 0: no cap
 
     @property
-    def dflash2(self) -> bool:
-        return self.variant == "dflash2"
+    def family(self) -> Variant:
+        """The variant object: its modules, loss term, export contract and decode step."""
+        return variant_of(self.variant)
 
 
 class DraftLayer(DecoderLayer):
-    """A Qwen3 decoder layer whose keys and values also cover the fused target context; DFlash 2 wraps
-    its attention and its MLP each in a grouped convolution over the block (vLLM's
+    """A Qwen3 decoder layer whose keys and values also cover the fused target context; a variant may wrap
+    its attention and its MLP (DFlash 2: a grouped convolution over the block each, vLLM's
     `DFlash2Qwen3DecoderLayer.forward`: the context's keys and values do not pass through it)."""
 
     def __init__(self, s: DraftSpec):
         super().__init__(s.hidden_size, s.intermediate_size, s.num_heads, s.num_kv_heads, s.head_dim, s.rms_eps)
-        if s.dflash2:
-            self.attention_conv = GroupedConv(s.hidden_size, s.conv_kernel_size, s.conv_group_size)
-            self.mlp_conv = GroupedConv(s.hidden_size, s.conv_kernel_size, s.conv_group_size)
-        else:
-            self.attention_conv = self.mlp_conv = None
+        self.attention_conv, self.mlp_conv = s.family.sublayer_wrappers(s)
 
     def forward(self, x, ctx, blk_rope, ctx_rope, ctx_start, ctx_end, prepared=None):
         """x: (A, B, H) blocks; ctx: (N, H) fused context of the packed batch. Block j attends to context
@@ -97,9 +94,9 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(spec.hidden_size, spec.rms_eps)
         self.layers = nn.ModuleList(DraftLayer(spec) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_eps)
-        if spec.dflash2:
-            self.candidate_selector = CandidateSelector(spec.hidden_size, spec.vocab_size, spec.selector_rank,
-                                                        spec.selector_top_k)
+        self.variant = spec.family
+        for name, head in self.variant.heads(spec).items():
+            self.add_module(name, head)
         # Frozen, shared with the target; set by `attach_target_head`. Not parameters of this module.
         self._embed: nn.Embedding | None = None
         self._lm_head: nn.Linear | None = None
@@ -169,14 +166,8 @@ class DFlashDrafter(nn.Module):
     @torch.no_grad()
     def block_tokens(self, hidden: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
         """The drafted tokens (N, B-1) of blocks' final-normed states (N, B, H) at temperature 0: the
-        unary argmax (DFlash) or the selector's greedy walk over the top-K candidates (DFlash 2)."""
-        h = hidden[:, 1:]
-        if not self.spec.dflash2:
-            return self._lm_head(h.to(self._lm_head.weight.dtype)).argmax(-1)
-        N, S, H = h.shape
-        ids, unary = self.unary_candidates(h.reshape(N * S, H))
-        ids, unary = ids.view(N, S, -1), unary.view(N, S, -1)
-        return walk(self.candidate_selector.edge_scores(ids, unary, h, anchor_ids), ids)
+        variant's decode step (the unary argmax; DFlash 2's selector walk over the top-K candidates)."""
+        return self.variant.block_tokens(self, hidden, anchor_ids)
 
 def anchor_seq_starts(cu_seqlens: torch.Tensor, anchor_cu: torch.Tensor, num_anchors: int) -> torch.Tensor:
     """(A,) first packed index of each anchor's sequence."""

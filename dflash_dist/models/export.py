@@ -18,22 +18,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_dist.models.drafter import DFlashDrafter, DraftSpec
-
-
-# DFlash 2's keys of dflash_config (z-lab's `dflash2-config.json`; vLLM's qwen3_dflash2.py reads them).
-DFLASH2_KEYS = ("conv_group_size", "conv_kernel_size", "final_logit_softcapping", "output_multiplier",
-                 "selector_rank", "selector_top_k")
+from dflash_dist.models.variants import variant_of_export
 
 
 def export_config(spec: DraftSpec) -> dict:
-    cfg = _base_config(spec)
-    if spec.dflash2:
-        # The architecture picks vLLM's DFlash2Qwen3ForCausalLM and its DFlash2 speculator; every layer
-        # attends fully (the project trains no sliding window), as these contract fields say.
-        cfg["architectures"] = ["DFlash2DraftModel"]
-        cfg["dflash_config"].update({"block_size": spec.block_size,
-                                     **{k: getattr(spec, k) for k in DFLASH2_KEYS}})
-        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=spec.num_layers)
+    """The backbone's config with the variant's fields: its architecture picks the engines' model class
+    (vLLM's DFlash2Qwen3ForCausalLM and its DFlash2 speculator for `DFlash2DraftModel`)."""
+    variant, cfg = spec.family, _base_config(spec)
+    cfg["architectures"] = [variant.architecture]
+    extra = dict(variant.config_fields(spec))
+    cfg["dflash_config"].update(extra.pop("dflash_config", {}))
+    cfg.update(extra)
     return cfg
 
 
@@ -81,17 +76,6 @@ def serving_settings(spec: DraftSpec, draft: str = "EXPORT_DIR", target: str = "
     }
 
 
-# What DFlash 2 adds to the engines' settings (docs/serving.md has the sources).
-_DFLASH2_VLLM = """
-The method stays `dflash`: the architecture `DFlash2DraftModel` selects vLLM's DFlash2 speculator, which
-walks the selector's path. It exists in Model Runner V2 only (vLLM >= 0.32, needs Triton, i.e. a GPU
-build); do not set `VLLM_USE_V2_MODEL_RUNNER=0`: Model Runner V1 refuses this draft ("DFlash candidate-head
-drafts")."""
-_DFLASH2_SGLANG = """
-SGLang builds the convolution and the selector from `dflash_config` under the same DFLASH algorithm
-(SGLang PR 35371, on its main branch; verl-SpeCo PR 78 found no tagged release up to 0.5.18 with it)."""
-
-
 def model_card(spec: DraftSpec, facts: dict | None = None) -> str:
     """README.md of an export. `facts`: target (a path or name), data (samples, tokens, epochs, steps),
     tau (the end-of-training measurement) and tau_set (its prompt set), as far as known."""
@@ -110,14 +94,10 @@ def model_card(spec: DraftSpec, facts: dict | None = None) -> str:
         rows.append(("data", ", ".join(f"{k} {v:,}" if isinstance(v, int) else f"{k} {v}" for k, v in data.items())))
     on = f" on {facts['tau_set']}" if facts.get("tau_set") else ""  # the prompt set it was measured on
     rows.append(("tau at the end of training", f"{tau:.3f}{on}" if isinstance(tau, (int, float)) else "not measured"))
-    if spec.dflash2:
-        rows.append(("DFlash 2", f"grouped convolution {spec.conv_kernel_size} taps x groups of {spec.conv_group_size} "
-                                 f"channels; selector top-{spec.selector_top_k}, rank {spec.selector_rank}, "
-                                 f"output multiplier {spec.output_multiplier}, soft cap "
-                                 f"{spec.final_logit_softcapping or 'none'}"))
+    rows += spec.family.card_rows(spec)
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
-    v, s = serve["vllm"], serve["sglang"]
-    return f"""# {"DFlash 2" if spec.dflash2 else "DFlash"} drafter (dflash_dist export)
+    v, s, notes = serve["vllm"], serve["sglang"], spec.family.card_notes()
+    return f"""# {spec.family.title} drafter (dflash_dist export)
 
 A block-diffusion speculative-decoding drafter in the z-lab DFlash format (`config.json`,
 `model.safetensors`: decoder layers, `fc`, `hidden_norm`, `norm`; the embedding and LM head are the
@@ -129,7 +109,7 @@ target's). Replace EXPORT_DIR by this directory's path.
 
 ## Serve it with vLLM
 
-`num_speculative_tokens` must be {spec.block_size - 1} (block size - 1): vLLM does not read `block_size`.{_DFLASH2_VLLM if spec.dflash2 else ""}
+`num_speculative_tokens` must be {spec.block_size - 1} (block size - 1): vLLM does not read `block_size`.{notes.get("vllm", "")}
 
 ```bash
 {v["command"]}
@@ -142,7 +122,7 @@ llm = LLM(model="{target}", speculative_config={json.dumps(v["speculative_config
 
 ## Serve it with SGLang
 
-SGLang reads the block size ({spec.block_size}) from `config.json`; the flag below only makes it explicit.{_DFLASH2_SGLANG if spec.dflash2 else ""}
+SGLang reads the block size ({spec.block_size}) from `config.json`; the flag below only makes it explicit.{notes.get("sglang", "")}
 
 ```bash
 {s["command"]}
@@ -190,10 +170,7 @@ def spec_from_export(cfg: dict) -> DraftSpec:
 
 
 def _variant_fields(cfg: dict) -> dict:
-    if "DFlash2DraftModel" not in cfg.get("architectures", []):
-        return {}
-    dc = cfg["dflash_config"]
-    return {"variant": "dflash2", **{k: dc[k] for k in DFLASH2_KEYS}}
+    return variant_of_export(cfg).spec_fields(cfg)
 
 
 def load_drafter(path: Path, dtype: torch.dtype = torch.float32) -> DFlashDrafter:

@@ -9,11 +9,10 @@ checkpoints, export, summary) live in reporting.py; every other rank gets the do
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
 import time
 from collections import deque
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -22,7 +21,6 @@ import torch.distributed as dist
 from dflash_dist.checkpoints import store as checkpoint
 from dflash_dist.training.capture import capture_for_drafter, packet_spec
 from dflash_dist.checkpoints.store import Cursor
-from dflash_dist.config import loss_gamma
 from dflash_dist.data.collate import collate, warm_up_batch
 from dflash_dist.models import attention
 from dflash_dist.models.build import build_drafter
@@ -32,8 +30,8 @@ from dflash_dist.roles.reporter import evaluates, make_reporter
 from dflash_dist.training.setup import RoleResult, RunSetup
 from dflash_dist.plan.schedule import EpochSchedule, Votes
 from dflash_dist.training.stats import Diverged, StepStats, device_clock
-from dflash_dist.parallel.sharding import make_sharding, total_norm
-from dflash_dist.training.step import drafter_step
+from dflash_dist.parallel.sharding import make_sharding
+from dflash_dist.training.step import StepBatch, drafter_autocast, drafter_step, step_settings
 from dflash_dist.parallel.stop import StopAgreement
 from dflash_dist.training.state import TrainState, weights_digest
 from dflash_dist.parallel.transport import Packet, PacketError, PendingPacket, RecvPool
@@ -124,11 +122,8 @@ class Drafter:
         self.state.cursor = run.cursor
         self.packets = packet_spec(cfg, run.spec, self.device)
         self.pool = RecvPool() if self.device.type == "cpu" else None  # CUDA: the caching allocator is one
-        self.gamma = loss_gamma(cfg.objective)
-        self.step_norm = cfg.objective.loss_norm == "step"
-        self.dpace_alpha = cfg.objective.dpace_alpha if cfg.objective.position_weights == "dpace" else None
-        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" \
-            else contextlib.nullcontext()
+        self.settings = step_settings(cfg.objective, run.spec, drafter_autocast(self.device))
+        self.step_norm = not self.settings.batch_mean
         self.clock = device_clock(self.device)
         self.wait_s = self.compute_s = self.local_target_s = 0.0
         self.target_counters = torch.zeros(ctx.world_size, 2, dtype=torch.float64, device=self.device)
@@ -222,11 +217,11 @@ class Drafter:
         stats.wait_s, stats.compute_s = self.wait_s, self.compute_s + self.clock() - t1
         stats.save_due = int(self.reporter.save_due(self.state.totals.steps + 1))
         total = self._reduce(stats)
-        denom = loss_denominator(self.dpace_alpha is not None, total.weight_sum, total.blocks)
+        denom = loss_denominator(self.settings.dpace_alpha is not None, total.weight_sum, total.blocks)
         if self.step_norm and denom > 0:
             self.sharding.scale_grads(1.0 / denom)  # every trained (token, slot), or block under D-PACE, alike
         self.save_due = total.save_due > 0
-        norm = self._optimizer_step(total)
+        norm = self.state.optimizer_step(self.params, self.run.cfg, total.loss_sum)
         self.compute_s += self.clock() - t1
         self.reporter.step(total, self.target_counters, self.state.scheduler.get_last_lr()[0], norm)
 
@@ -236,11 +231,8 @@ class Drafter:
         o, d = self.run.cfg.objective, packet.batch_data
         anchors, anchor_cu = draw_anchors(d.loss_mask, d.cu_seqlens, o.num_anchors,
                                           anchor_generator(self.run.cfg.train.seed, epoch, b))
-        m = drafter_step(self.state.model, d, packet.features, packet.target, anchors, anchor_cu, gamma=self.gamma,
-                         anchor_chunk=o.anchor_chunk, loss_rows=o.loss_rows, scale=scale,
-                         batch_mean=not self.step_norm, autocast=self.autocast,
-                         before_last_chunk=self.sharding.before_last_chunk, dpace_alpha=self.dpace_alpha,
-                         selector_weight=o.selector_weight, selector_detach=o.selector_detach)
+        m = drafter_step(self.state.model, StepBatch(d, packet.features, packet.target, anchors, anchor_cu),
+                         self.settings, scale=scale, before_last_chunk=self.sharding.before_last_chunk)
         stats.take_metrics(m)  # device tensors stay on the device: packed there
         stats.tokens, stats.seqs, stats.batches = d.num_tokens, d.num_seqs, 1
 
@@ -251,30 +243,6 @@ class Drafter:
         dist.all_reduce(t, group=g)
         dist.all_reduce(self.target_counters, op=dist.ReduceOp.MAX, group=g)
         return StepStats.unpack(t, stats.block_size)
-
-    def _optimizer_step(self, total: StepStats) -> float:
-        """Clip and step, unless the summed loss or the (all-reduced, so identical) gradient norm is not
-        finite: then the step is skipped on every drafter alike, and too many such steps end the run."""
-        cfg, state = self.run.cfg, self.state
-        clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-        norm = total_norm(torch.nn.utils.clip_grad_norm_(self.params, clip))
-        state.totals.steps += 1
-        if math.isfinite(norm) and math.isfinite(total.loss_sum):
-            state.optimizer.step()
-            state.totals.last_finite_step = state.totals.steps  # checkpoints are written only after such a step
-        else:
-            state.totals.skipped_steps += 1
-            log.warning("step %d skipped: loss sum %s, gradient norm %s (%d of at most %d non-finite steps)",
-                        state.totals.steps, total.loss_sum, norm, state.totals.skipped_steps,
-                        cfg.train.max_nonfinite_steps)
-            if state.totals.skipped_steps >= cfg.train.max_nonfinite_steps:
-                raise Diverged(f"training diverged: {state.totals.skipped_steps} steps with a non-finite loss or "
-                               f"gradient norm (train.max_nonfinite_steps={cfg.train.max_nonfinite_steps}); lower "
-                               f"optim.lr (now {cfg.optim.lr}; a resume may change it) or check the data; no "
-                               "checkpoint or export was written from the diverged weights")
-        state.scheduler.step()
-        state.optimizer.zero_grad(set_to_none=True)
-        return norm
 
     # -- start and end ----------------------------------------------------------------------------
     def warm_up(self) -> None:
@@ -298,9 +266,9 @@ class Drafter:
         batch = warm_up_batch(B, self.device)
         anchors, anchor_cu = draw_anchors(batch.loss_mask, batch.cu_seqlens, 2, torch.Generator().manual_seed(0))
         feats = torch.zeros(batch.num_tokens, self.packets.feat_dim, dtype=self.packets.dtype, device=self.device)
-        drafter_step(self.state.model, batch, feats, None, anchors, anchor_cu, gamma=self.gamma,
-                     anchor_chunk=1, scale=scale, autocast=self.autocast,
-                     before_last_chunk=self.sharding.before_last_chunk, dpace_alpha=self.dpace_alpha)
+        drafter_step(self.state.model, StepBatch(batch, feats, None, anchors, anchor_cu),
+                     replace(self.settings, anchor_chunk=1), scale=scale,
+                     before_last_chunk=self.sharding.before_last_chunk)
 
     def save(self) -> Path | None:
         """Every drafter gathers (a collective under FSDP); rank 0 writes."""

@@ -1,27 +1,82 @@
 """One drafter training step without the optimizer: forward and backward of the DFlash loss on a batch.
 
+What a step needs is two values: the batch (`StepBatch`: the packed batch, its target features and labels,
+its anchors) and the run's frozen `StepSettings`, built by `step_settings` from `cfg.objective` and the
+built spec, the same way by the run, its dummy step and every benchmark. The variant (`spec.family`,
+models/variants) adds its term to each anchor chunk's unary loss; the step never branches on its name.
+
 Memory follows the anchor chunk, not the batch. The fused context (`fc` + `hidden_norm` over the batch's
 features) is computed once; its output is detached into a leaf that every anchor chunk reads, so each
 chunk's draft layers and loss are backwarded as soon as they are computed (their activations freed), the
 context's gradient accumulates in the leaf, and the last chunk's backward takes it through `fc`. With
 `batch_mean` each chunk's loss is divided by the weight sum of the WHOLE batch, so the chunks add up to
 exactly the unchunked loss and gradient; without it the gradient is that of the summed weighted loss, which
-the caller divides by the whole optimizer step's weight sum (its block count under D-PACE) once it is known (`objective.loss_norm=step`). The LM head and cross-entropy run `loss_rows` rows at a time (`objective.lm_head_loss`).
+the caller divides by the whole optimizer step's weight sum (its block count under D-PACE) once it is known
+(`objective.loss_norm=step`). The LM head and cross-entropy run `loss_rows` rows at a time (`objective.lm_head_loss`).
 """
 from __future__ import annotations
 
 import contextlib
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 import torch
 
+from dflash_dist.config import ObjectiveConfig, loss_gamma
 from dflash_dist.data.collate import PackedBatch
-from dflash_dist.models.drafter import DFlashDrafter, anchor_seq_starts
+from dflash_dist.models.drafter import DFlashDrafter, DraftSpec, anchor_seq_starts
+from dflash_dist.models.variants import LossChunk
 from dflash_dist.training.objective import (StepMetrics, argmax_block_labels, block_labels, lm_head_loss,
                                    loss_denominator, soft_block_targets)
 from dflash_dist.parallel.transport import TargetLabels
-from dflash_dist.training.selector import SelectorMetrics, selector_term
 
+
+@dataclass(frozen=True)
+class StepSettings:
+    """Everything of the objective a step reads, fixed for a run."""
+    block_size: int  # the spec's
+    gamma: float  # the position decay exp(-(k-1)/gamma) (unused under D-PACE)
+    anchor_chunk: int  # anchors per forward/backward (0: all at once)
+    loss_rows: int  # LM-head rows per chunk of the loss
+    batch_mean: bool  # divide by the batch's own weight sum (objective.loss_norm=batch); else the caller does
+    dpace_alpha: float | None  # D-PACE's smoothing (objective.position_weights=dpace), None: the gamma decay
+    autocast_dtype: torch.dtype | None  # the draft layers' compute dtype under autocast (bf16 on CUDA)
+    variant_options: Any  # the variant's own (`Variant.options`: DFlash 2's selector weight and detach)
+
+    def autocast(self, device: torch.device):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=self.autocast_dtype)
+
+
+def drafter_autocast(device: torch.device) -> torch.dtype | None:
+    """The run's choice: the drafter trains in float32, its layers under bf16 autocast on CUDA."""
+    return torch.bfloat16 if device.type == "cuda" else None
+
+
+def step_settings(objective: ObjectiveConfig, spec: DraftSpec, autocast_dtype: torch.dtype | None = None) -> StepSettings:
+    """The one constructor of step settings (the run's, its dummy step's and every benchmark's);
+    `autocast_dtype`: `drafter_autocast(device)` in a run, a benchmark's own choice otherwise."""
+    if objective.block_size != spec.block_size:
+        raise ValueError(f"objective.block_size {objective.block_size} differs from the built spec's {spec.block_size}")
+    dpace = objective.position_weights == "dpace"
+    return StepSettings(
+        block_size=spec.block_size, gamma=loss_gamma(objective), anchor_chunk=objective.anchor_chunk,
+        loss_rows=objective.loss_rows, batch_mean=objective.loss_norm != "step",
+        dpace_alpha=objective.dpace_alpha if dpace else None,
+        autocast_dtype=autocast_dtype,
+        variant_options=spec.family.options(objective))
+
+
+@dataclass
+class StepBatch:
+    """A packed batch as the step trains on it: its target features (N, n_layers * H), the target's
+    labels (distillation; None: the data's), and its anchors (packed indices) with their offsets per sequence."""
+    data: PackedBatch
+    features: torch.Tensor
+    target: TargetLabels | None
+    anchors: torch.Tensor
+    anchor_cu: torch.Tensor
 
 def batch_targets(batch: PackedBatch, target: TargetLabels | None, anchors, anchor_cu, block_size: int,
                   gamma: float, dpace: bool = False):
@@ -48,43 +103,31 @@ def merge_metrics(parts: list[StepMetrics]) -> StepMetrics:
                                 if getattr(parts[0], k) is not None})
 
 
-def with_selector(m: StepMetrics, sm: SelectorMetrics, alpha: float) -> StepMetrics:
-    """A DFlash 2 chunk's metrics: the loss includes alpha x the selector term; acc and acceptance follow
-    the selector's walk, the unary head's kept beside them."""
-    return replace(m, loss_sum=m.loss_sum + alpha * sm.loss_sum, correct=sm.correct, accept_sum=sm.accept_sum,
-                   unary_correct=m.correct, unary_accept_sum=m.accept_sum, selector_loss_sum=sm.loss_sum,
-                   topk_hits=sm.topk_hits)
-
-
-def drafter_step(model: DFlashDrafter, batch: PackedBatch, features: torch.Tensor, target: TargetLabels | None,
-                 anchors: torch.Tensor, anchor_cu: torch.Tensor, *, gamma: float, anchor_chunk: int = 0,
-                 loss_rows: int = 8192, scale: float = 1.0, batch_mean: bool = True, autocast=contextlib.nullcontext(),
-                 before_last_chunk=None, dpace_alpha: float | None = None, selector_weight: float = 1.0,
-                 selector_detach: bool = False) -> StepMetrics:
+def drafter_step(model: DFlashDrafter, batch: StepBatch, settings: StepSettings, *, scale: float = 1.0,
+                 before_last_chunk: Callable[[], None] | None = None) -> StepMetrics:
     """Forward + backward of one batch; gradients accumulate in the parameters' .grad: those of
     `scale` x the batch's weighted loss, its mean (sum / `loss_denominator`: the batch's weight sum, or
-    its anchors under D-PACE) with `batch_mean`, else its sum. `dpace_alpha`: D-PACE position weights
-    (objective.position_weights=dpace) instead of the gamma decay. `before_last_chunk()` runs before the
-    last chunk (FSDP: reduce its gradients in that backward). A DFlash 2 drafter adds `selector_weight` x
-    the selector term (training/selector.py; `selector_detach`: none of its gradient into the backbone)."""
-    A = anchors.numel()
+    its anchors under D-PACE) with `settings.batch_mean`, else its sum. `before_last_chunk()` runs before
+    the last chunk (FSDP: reduce its gradients in that backward)."""
+    o, data, variant = settings, batch.data, model.variant
+    A = batch.anchors.numel()
     if A == 0:
         raise ValueError("a batch without any anchor reached the drafter step (the plan must skip such samples)")
     # Host copies bound each chunk's context rows (anchors are best drawn on the host: no sync then).
-    host_anchors = anchors.cpu()
-    host_starts = anchor_seq_starts(batch.cu_seqlens.cpu(), anchor_cu.cpu(), A)
-    dev = batch.input_ids.device
-    anchors, anchor_cu = anchors.to(dev), anchor_cu.to(dev)
-    dpace = dpace_alpha is not None
-    labels, weights, soft = batch_targets(batch, target, anchors, anchor_cu, model.spec.block_size, gamma, dpace)
+    host_anchors = batch.anchors.cpu()
+    host_starts = anchor_seq_starts(data.cu_seqlens.cpu(), batch.anchor_cu.cpu(), A)
+    dev = data.input_ids.device
+    anchors, anchor_cu = batch.anchors.to(dev), batch.anchor_cu.to(dev)
+    dpace = o.dpace_alpha is not None
+    labels, weights, soft = batch_targets(data, batch.target, anchors, anchor_cu, o.block_size, o.gamma, dpace)
     starts = host_starts.to(dev)
-    positions = batch.position_ids
-    norm = scale / loss_denominator(dpace, weights.sum().clamp(min=1e-9), A) if batch_mean else scale
-    head, top_k = model.lm_head.weight, model.spec.selector_top_k if model.spec.dflash2 else 0  # DFlash 2's top-K
+    norm = scale / loss_denominator(dpace, weights.sum().clamp(min=1e-9), A) if o.batch_mean else scale
+    head, top_k = model.lm_head.weight, variant.loss_top_k(model.spec)
+    autocast = o.autocast(dev)
     with autocast:
-        ctx = model.context(features)
+        ctx = model.context(batch.features)
     leaf = ctx.detach().requires_grad_()  # the chunks before the last accumulate the context's gradient here
-    chunk = anchor_chunk if 0 < anchor_chunk < A else A
+    chunk = o.anchor_chunk if 0 < o.anchor_chunk < A else A
     bounds = list(range(0, A, chunk))
     parts = []
     for a in bounds:
@@ -98,16 +141,15 @@ def drafter_step(model: DFlashDrafter, batch: PackedBatch, features: torch.Tenso
         with autocast:
             # The last chunk reads the context itself: one backward then covers it, the accumulated
             # gradient of the earlier chunks and fc + hidden_norm.
-            hidden = model.draft_hidden((ctx if last else leaf)[lo:hi], batch.input_ids, positions, anchors[sl],
-                                        starts[sl], offset=lo)
+            hidden = model.draft_hidden((ctx if last else leaf)[lo:hi], data.input_ids, data.position_ids,
+                                        anchors[sl], starts[sl], offset=lo)
         chunk_soft = None if soft is None else (soft[0][sl], soft[1][sl])
-        # DFlash 2's candidates (the head's top-K) come off the loss's own logits: no second head pass.
+        # A variant's candidates (the head's top-K) come off the loss's own logits: no second head pass.
         loss_sum, m, *top = lm_head_loss(hidden.to(head.dtype), head, labels[sl], weights[sl], chunk_soft,
-                                         rows=loss_rows, dpace_alpha=dpace_alpha, top_k=top_k)
-        if model.spec.dflash2:
-            sel_sum, sm = selector_term(model, hidden, batch.input_ids, anchors[sl], labels[sl], weights[sl],
-                                        top[0], detach=selector_detach, rows=loss_rows)
-            loss_sum, m = loss_sum + selector_weight * sel_sum, with_selector(m, sm, selector_weight)
+                                         rows=o.loss_rows, dpace_alpha=o.dpace_alpha, top_k=top_k)
+        terms = LossChunk(data.input_ids, anchors[sl], labels[sl], weights[sl], o.loss_rows)
+        loss_sum, m = variant.loss_term(model, hidden, terms, loss_sum, m, top[0] if top else None,
+                                        o.variant_options)
         if not last:
             (loss_sum * norm).backward()
         elif leaf.grad is None:

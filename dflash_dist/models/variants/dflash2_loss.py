@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 
 from dflash_dist.models.dflash2 import candidate_logits, unary_top_k, unary_values
-from dflash_dist.training.objective import HeadTopK
 
 
 @dataclass
@@ -67,7 +66,7 @@ def _walked_rows(lab: torch.Tensor) -> torch.Tensor:
 
 
 def selector_term(model, hidden: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor,
-                  labels: torch.Tensor, weights: torch.Tensor, top: HeadTopK, *, detach: bool = False,
+                  labels: torch.Tensor, weights: torch.Tensor, top, *, detach: bool = False,
                   rows: int = 8192) -> tuple[torch.Tensor, SelectorMetrics]:
     """hidden (A, B, H): final-normed drafter states of the blocks at `anchors`; labels/weights (A, B) of
     the objective; top: the head's top-K at the n slots with a label (`lm_head_loss(..., top_k=K)`'s, read

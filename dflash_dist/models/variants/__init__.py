@@ -1,0 +1,27 @@
+"""The registry of DFlash-family drafter variants (`model.draft.variant`); the interface is `base.Variant`."""
+from __future__ import annotations
+
+from dflash_dist.config import ConfigError
+from dflash_dist.models.variants.base import LossChunk, Variant
+from dflash_dist.models.variants.dflash import DFlash
+from dflash_dist.models.variants.dflash2 import DFlash2
+
+VARIANTS: dict[str, Variant] = {v.name: v for v in (DFlash(), DFlash2())}
+
+
+def variant_of(name: str) -> Variant:
+    try:
+        return VARIANTS[name]
+    except KeyError:
+        raise ConfigError(f"config key 'model.draft.variant': {name!r} is not one of "
+                          f"{', '.join(VARIANTS)}") from None
+
+
+def variant_of_export(cfg: dict) -> Variant:
+    """The variant an export's config.json declares by its architecture (the engines read the same); an
+    architecture no variant claims is the plain DFlash drafter's (z-lab's exports name DFlashDraftModel)."""
+    archs = cfg.get("architectures") or []
+    return next((v for v in VARIANTS.values() if v.architecture in archs), VARIANTS["dflash"])
+
+
+__all__ = ["VARIANTS", "LossChunk", "Variant", "variant_of", "variant_of_export"]

@@ -1,0 +1,92 @@
+"""What a DFlash-family drafter variant supplies, declared once: the loop, the step, the export and both
+decoders call these methods and never branch on a variant's name.
+
+Every variant shares the DFlash backbone (`models/drafter.py`: fused target context, draft layers over
+[context | block], the target's frozen LM head) and the unary objective (`training/objective.py`). A
+variant adds to it, in one object:
+- modules: wrappers around each draft layer's sublayers (`sublayer_wrappers`) and heads on the final
+  states (`heads`), under the state-dict names its serving contract reads;
+- its loss term and metrics (`loss_term`), given the unary loss of an anchor chunk and the head's top-K
+  (`loss_top_k`) that the loss computed on its way;
+- its export contract (`config_fields` / `spec_fields`, the model card's lines);
+- its greedy decode step (`block_tokens`), which both decoders and the export's parity tests call.
+A new variant is a new module here plus one line in `models/variants/__init__.py`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LossChunk:
+    """One anchor chunk of a batch as a variant's loss term sees it: the packed batch's token ids, the
+    chunk's anchors (packed indices), its labels and position weights (A, B), the LM head's row chunk."""
+    input_ids: torch.Tensor
+    anchors: torch.Tensor
+    labels: torch.Tensor
+    weights: torch.Tensor
+    rows: int
+
+
+class Variant:
+    """The plain DFlash drafter: no module, term or contract field beyond the backbone's. Subclasses
+    override what they add; each method's default is DFlash's behaviour."""
+    name = "dflash"
+    title = "DFlash"  # the model card's heading
+    architecture = "DFlashDraftModel"  # config.json's `architectures`: the engines pick their model class by it
+    config_keys: tuple[str, ...] = ()  # DraftSpec fields of this variant, exported in dflash_config
+
+    # -- build ---------------------------------------------------------------------------------------
+    def check(self, draft_cfg, target) -> None:
+        """Raise a ConfigError naming the key when `model.draft` does not fit the target's shapes."""
+
+    def sublayer_wrappers(self, spec) -> tuple[nn.Module | None, nn.Module | None]:
+        """(around the attention, around the MLP) of one draft layer; None: the sublayer as it is."""
+        return None, None
+
+    def heads(self, spec) -> dict[str, nn.Module]:
+        """Modules on the final states, by their state-dict name."""
+        return {}
+
+    # -- training -----------------------------------------------------------------------------------
+    def options(self, objective) -> Any:
+        """This variant's own step settings, read from `cfg.objective` (frozen, hashable)."""
+        return None
+
+    def loss_top_k(self, spec) -> int:
+        """Top-K candidates per labelled row that `loss_term` needs from the LM head's loss (0: none)."""
+        return 0
+
+    def loss_term(self, model, hidden: torch.Tensor, chunk: LossChunk, loss_sum: torch.Tensor, metrics,
+                  top, options):
+        """(loss_sum, metrics) of an anchor chunk with this variant's term added: `loss_sum` and `metrics`
+        are the unary loss's (`lm_head_loss`), `top` its `HeadTopK` (with `loss_top_k` > 0)."""
+        return loss_sum, metrics
+
+    # -- decoding -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def block_tokens(self, model, hidden: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """The drafted tokens (N, B-1) of blocks' final-normed states (N, B, H) at temperature 0."""
+        head = model.lm_head
+        return head(hidden[:, 1:].to(head.weight.dtype)).argmax(-1)
+
+    # -- export -------------------------------------------------------------------------------------
+    def config_fields(self, spec) -> dict:
+        """config.json's fields beyond the backbone's (`dflash_config` entries under that key)."""
+        return {}
+
+    def spec_fields(self, cfg: dict) -> dict:
+        """DraftSpec fields of this variant read back from an export's config.json."""
+        return {"variant": self.name, **{k: cfg["dflash_config"][k] for k in self.config_keys}}
+
+    def card_rows(self, spec) -> list[tuple[str, str]]:
+        """Rows of the model card's table describing this variant's modules."""
+        return []
+
+    def card_notes(self) -> dict[str, str]:
+        """What each engine's section of the model card adds for this variant ("vllm", "sglang")."""
+        return {}

@@ -1,0 +1,95 @@
+"""DFlash 2: the grouped convolution around each sublayer and the candidate selector on the final states
+(`models/dflash2.py`), the selector's term of the objective (`dflash2_loss.py`); served by vLLM 0.32's
+`qwen3_dflash2.py` under the architecture `DFlash2DraftModel` (its `dflash_config` keys: `config_keys`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from dflash_dist.config import ConfigError
+from dflash_dist.models.dflash2 import CandidateSelector, GroupedConv, walk
+from dflash_dist.models.variants.base import LossChunk, Variant
+from dflash_dist.models.variants.dflash2_loss import selector_term
+
+
+@dataclass(frozen=True)
+class SelectorOptions:
+    weight: float  # alpha: the selector term's weight beside the unary loss (objective.selector_weight)
+    detach: bool  # none of its gradient into the backbone (objective.selector_detach)
+
+
+# What DFlash 2 adds to the engines' settings (docs/serving.md has the sources).
+_VLLM = """
+The method stays `dflash`: the architecture `DFlash2DraftModel` selects vLLM's DFlash2 speculator, which
+walks the selector's path. It exists in Model Runner V2 only (vLLM >= 0.32, needs Triton, i.e. a GPU
+build); do not set `VLLM_USE_V2_MODEL_RUNNER=0`: Model Runner V1 refuses this draft ("DFlash candidate-head
+drafts")."""
+_SGLANG = """
+SGLang builds the convolution and the selector from `dflash_config` under the same DFLASH algorithm
+(SGLang PR 35371, on its main branch; verl-SpeCo PR 78 found no tagged release up to 0.5.18 with it)."""
+
+
+class DFlash2(Variant):
+    name = "dflash2"
+    title = "DFlash 2"
+    architecture = "DFlash2DraftModel"
+    # z-lab's `dflash2-config.json`; vLLM's qwen3_dflash2.py reads them.
+    config_keys = ("conv_group_size", "conv_kernel_size", "final_logit_softcapping", "output_multiplier",
+                   "selector_rank", "selector_top_k")
+
+    def check(self, d, target) -> None:
+        if target.hidden_size % d.conv_group_size:
+            raise ConfigError(f"config key 'model.draft.conv_group_size': {d.conv_group_size} does not divide the "
+                              f"target's hidden size {target.hidden_size}")
+        if d.selector_top_k > target.vocab_size:
+            raise ConfigError(f"config key 'model.draft.selector_top_k': {d.selector_top_k} exceeds the target's "
+                              f"vocabulary ({target.vocab_size})")
+
+    def sublayer_wrappers(self, s):
+        return (GroupedConv(s.hidden_size, s.conv_kernel_size, s.conv_group_size),
+                GroupedConv(s.hidden_size, s.conv_kernel_size, s.conv_group_size))
+
+    def heads(self, s):
+        return {"candidate_selector": CandidateSelector(s.hidden_size, s.vocab_size, s.selector_rank,
+                                                        s.selector_top_k)}
+
+    def options(self, objective) -> SelectorOptions:
+        return SelectorOptions(objective.selector_weight, objective.selector_detach)
+
+    def loss_top_k(self, spec) -> int:
+        return spec.selector_top_k  # the selector's candidates come off the loss's own logits
+
+    def loss_term(self, model, hidden, chunk: LossChunk, loss_sum, metrics, top, options: SelectorOptions):
+        """The loss adds alpha x the selector term; acc and acceptance follow the selector's walk, the
+        unary head's kept beside them."""
+        sel_sum, sm = selector_term(model, hidden, chunk.input_ids, chunk.anchors, chunk.labels, chunk.weights,
+                                    top, detach=options.detach, rows=chunk.rows)
+        a = options.weight
+        return loss_sum + a * sel_sum, replace(
+            metrics, loss_sum=metrics.loss_sum + a * sm.loss_sum, correct=sm.correct, accept_sum=sm.accept_sum,
+            unary_correct=metrics.correct, unary_accept_sum=metrics.accept_sum, selector_loss_sum=sm.loss_sum,
+            topk_hits=sm.topk_hits)
+
+    @torch.no_grad()
+    def block_tokens(self, model, hidden, anchor_ids):
+        """The selector's greedy walk over the unary head's top-K candidates."""
+        h = hidden[:, 1:]
+        N, S, H = h.shape
+        ids, unary = model.unary_candidates(h.reshape(N * S, H))
+        ids, unary = ids.view(N, S, -1), unary.view(N, S, -1)
+        return walk(model.candidate_selector.edge_scores(ids, unary, h, anchor_ids), ids)
+
+    def config_fields(self, spec) -> dict:
+        # Every layer attends fully (the project trains no sliding window), as these contract fields say.
+        return {"dflash_config": {"block_size": spec.block_size, **{k: getattr(spec, k) for k in self.config_keys}},
+                "use_sliding_window": False, "sliding_window": None, "max_window_layers": spec.num_layers}
+
+    def card_rows(self, spec):
+        return [("DFlash 2", f"grouped convolution {spec.conv_kernel_size} taps x groups of {spec.conv_group_size} "
+                             f"channels; selector top-{spec.selector_top_k}, rank {spec.selector_rank}, "
+                             f"output multiplier {spec.output_multiplier}, soft cap "
+                             f"{spec.final_logit_softcapping or 'none'}")]
+
+    def card_notes(self):
+        return {"vllm": _VLLM, "sglang": _SGLANG}
