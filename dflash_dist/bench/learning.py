@@ -40,6 +40,7 @@ from dflash_dist.data.dataset import TokenDataset
 from dflash_dist.data.disk import open_dataset
 from dflash_dist.models.build import build_drafter, build_target, draft_spec
 from dflash_dist.models.drafter import anchor_seq_starts
+from dflash_dist.models.variants.base import accepted_lengths
 from dflash_dist.plan.epochs import plan_for_epoch
 from dflash_dist.training.objective import anchor_generator, block_labels, draw_anchors
 from dflash_dist.training.state import TrainState
@@ -151,7 +152,7 @@ def acceptance(model, ds, feats, base: int, num_anchors: int, seed: int, seqs: i
         in_top[1:] += ((top == labels[:, 1:, None]).any(-1) & ok).sum(0).float()
         hits[1:] += hit.sum(0).float()
         valid[1:] += ok.sum(0).float()
-        accept += float((torch.cumprod(hit.long(), 1).sum(1) + 1).sum())
+        accept += float(accepted_lengths(hit).sum())
         blocks += anchors.numel()
     model.train()
     acc, recall = (hits / valid.clamp(min=1)).tolist(), (in_top / valid.clamp(min=1)).tolist()

@@ -6,6 +6,8 @@ from functools import cached_property
 
 import numpy as np
 
+from dflash_dist.data.anchors import count_anchorable
+
 
 @dataclass(frozen=True)
 class TokenDataset:
@@ -39,15 +41,13 @@ class TokenDataset:
 
     @cached_property
     def num_anchorable(self) -> np.ndarray:
-        """Anchor positions per sample (int64): positions p with a supervised next token (loss_mask[p + 1],
-        p + 1 < length), the candidates `objective.draw_anchors` picks from; a block may run past the
-        sample's end. That is every supervised token but a supervised first one. 0 means nothing to
-        train: no supervised token follows the sample's first."""
+        """Anchor candidates per sample (int64), by the rule of `data.anchors`. 0 means nothing to train:
+        no supervised token follows the sample's first."""
         lengths = self.lengths
         first = np.zeros(len(self), dtype=np.int64)
         nonempty = np.flatnonzero(lengths > 0)
         first[nonempty] = np.asarray(self.loss_mask[self.offsets[nonempty]], dtype=np.int64)
-        return self.num_supervised - first
+        return count_anchorable(self.num_supervised, first)
 
     def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])

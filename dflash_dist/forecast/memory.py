@@ -31,6 +31,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from dflash_dist.config import Config, measures_tau
+from dflash_dist.data.anchors import anchors_per_sample, tail_anchorable
 from dflash_dist.forecast.shapes import KNOWN_ARCHS, ModelShapes, model_shapes
 
 GiB = 2 ** 30
@@ -144,13 +145,6 @@ def holds_whole_target(cfg: Config) -> bool:
     return cfg.model.target.tensor_parallel == 1 and (not cfg.data.path or measures_tau(cfg))
 
 
-def tail_anchorable(lengths: np.ndarray, supervised: np.ndarray) -> np.ndarray:
-    """Anchor positions per sample when its supervised tokens are its tail (a chat sample's response),
-    as `TokenDataset.num_anchorable` counts them: p with a supervised next token (p + 1 < length), i.e.
-    every supervised token but a supervised first one."""
-    return np.clip(np.minimum(supervised, lengths - 1), 0, None)
-
-
 def worst_batches(cfg: Config, lengths: np.ndarray, supervised: np.ndarray, anchorable: np.ndarray | None = None,
                   epochs: Iterable[int] | None = None) -> dict[str, BatchShape]:
     """{"anchors": the batch with the most anchors, "tokens": the one with the most tokens} over the
@@ -176,8 +170,7 @@ def run_plans(cfg: Config, lengths: np.ndarray, supervised: np.ndarray, anchorab
 
 def worst_of_plans(cfg: Config, plans, lengths: np.ndarray, anchorable: np.ndarray) -> dict[str, BatchShape]:
     """`worst_batches` over plans already built (the run's own, counted at start); anchors per sample as
-    the plan counts them (`plan.anchors_per_sample`)."""
-    from dflash_dist.plan.epochs import anchors_per_sample
+    the plan counts them (`data.anchors.anchors_per_sample`)."""
     lengths = np.asarray(lengths)
     anch = anchors_per_sample(np.asarray(anchorable), cfg.objective.num_anchors)
     best: dict[str, tuple[int, BatchShape]] = {}

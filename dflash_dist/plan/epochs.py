@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_dist.config import ConfigError
+from dflash_dist.data.anchors import anchors_per_sample  # the rule's, imported here by the plan's users too
 from dflash_dist.plan.seeding import seeded_generator
 
 SKIP_REASONS = ("empty", "no_supervised", "no_anchor", "over_budget")  # in order of precedence
@@ -55,12 +56,6 @@ class BatchPlan:
 
     def batch(self, b: int) -> np.ndarray:
         return self.indices[self.offsets[b]:self.offsets[b + 1]]
-
-
-def anchors_per_sample(anchorable: np.ndarray, num_anchors: int) -> np.ndarray:
-    """Anchors a sample contributes: its anchor positions (`TokenDataset.num_anchorable`), capped per
-    sequence, exactly what `objective.draw_anchors` draws."""
-    return np.minimum(anchorable, num_anchors)
 
 
 def skipped_mask(lengths: np.ndarray, supervised: np.ndarray, token_budget: int,

@@ -23,6 +23,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from dflash_dist.data.anchors import anchor_candidates
+from dflash_dist.models.variants.base import accepted_lengths
 from dflash_dist.plan.seeding import seeded_generator
 
 
@@ -31,13 +33,12 @@ def anchor_generator(seed: int, epoch: int, batch: int) -> torch.Generator:
 
 
 def draw_anchors(loss_mask, cu_seqlens, num_anchors: int, gen: torch.Generator):
-    """Returns (anchors (A,) packed indices sorted, anchor_cu (S+1,)). All on CPU. The candidates of a
-    sequence [s, e) are the p in [s, e - 2] with a supervised next token (`TokenDataset.num_anchorable`
-    counts them)."""
+    """Returns (anchors (A,) packed indices sorted, anchor_cu (S+1,)). All on CPU. Each sequence [s, e)
+    gives min(num_anchors, its candidates) anchors, drawn from the rule's candidates (`data.anchors`)."""
     loss_mask, cu = loss_mask.cpu(), cu_seqlens.cpu().tolist()
     chosen, counts = [], []
     for s, e in zip(cu[:-1], cu[1:]):
-        cand = torch.nonzero(loss_mask[s + 1:e]).squeeze(1) + s  # p with mask[p + 1], p + 1 < e
+        cand = anchor_candidates(loss_mask[s:e]) + s
         k = min(num_anchors, cand.numel())
         pick = cand[torch.randperm(cand.numel(), generator=gen)[:k]].sort().values
         chosen.append(pick)
@@ -172,8 +173,7 @@ def dflash_loss(logits, labels, weights, soft=None):
     with torch.no_grad():
         valid = labels >= 0
         hit = (logits.argmax(-1) == labels) & valid
-        # Accepted prefix: consecutive hits from slot 1; an untrained slot ends the run.
-        run = torch.cumprod(hit[:, 1:].long(), dim=1).sum(1).float() + 1.0
+        run = accepted_lengths(hit[:, 1:])
         m = StepMetrics(loss_sum=float((ce * weights).sum()), weight_sum=float(wsum),
                         correct=hit.sum(0).cpu(), valid=valid.sum(0).cpu(),
                         accept_sum=float(run.sum()), num_blocks=A)
@@ -282,8 +282,7 @@ def _metrics(pred: torch.Tensor, labels: torch.Tensor, loss_sum: torch.Tensor, w
     on the device."""
     valid = labels >= 0
     hit = (pred == labels) & valid
-    # Accepted prefix: consecutive hits from slot 1; an untrained slot ends the run.
-    run = torch.cumprod(hit[:, 1:].long(), dim=1).sum(1).float() + 1.0
+    run = accepted_lengths(hit[:, 1:])
     return StepMetrics(loss_sum=loss_sum, weight_sum=weight_sum, correct=hit.sum(0), valid=valid.sum(0),
                        accept_sum=run.sum(), num_blocks=labels.shape[0])
 

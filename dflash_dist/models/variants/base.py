@@ -21,6 +21,13 @@ import torch
 from torch import nn
 
 
+def accepted_lengths(hits: torch.Tensor) -> torch.Tensor:
+    """The accepted length (A,) float32 of blocks whose drafted slots 1..B-1 hit (A, B-1) bool: the
+    consecutive hits from slot 1, plus the bonus token (what a verify step commits); a miss, or an
+    untrained slot, ends the run. Every figure of acceptance (training metrics, held-out tau) is this."""
+    return torch.cumprod(hits.long(), dim=1).sum(1).float() + 1.0
+
+
 @dataclass(frozen=True)
 class LossChunk:
     """One anchor chunk of a batch as a variant's loss term sees it: the packed batch's token ids, the

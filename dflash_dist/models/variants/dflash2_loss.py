@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_dist.models.dflash2 import candidate_logits, unary_top_k, unary_values
+from dflash_dist.models.variants.base import accepted_lengths
 
 
 @dataclass
@@ -118,7 +119,7 @@ def _path_metrics(model, h, served, unary, anchors, input_ids, labels, rsel, hit
     valid = labels >= 0
     hits = torch.zeros_like(valid)
     hits[:, 1:] = (path == labels[:, 1:]) & valid[:, 1:]
-    run = torch.cumprod(hits[:, 1:].long(), dim=1).sum(1).float() + 1.0
+    run = accepted_lengths(hits[:, 1:])
     in_top = torch.zeros(A * S, dtype=torch.bool, device=h.device)
     in_top[rsel] = hit
     topk = torch.zeros_like(valid)
