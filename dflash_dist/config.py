@@ -49,6 +49,14 @@ def num(default, *, ge=None, gt=None, le=None, lt=None):
     return field(default=default, metadata={"range": Range(ge=ge, gt=gt, le=le, lt=lt)})
 
 
+def one_of(default: str, *choices: str):
+    """A string schema field and the values it may take: the one place where they are declared
+    (`choices()` reads them; `validate` checks them; PACKINGS and the like are views of it)."""
+    if default not in choices:
+        raise ValueError(f"default {default!r} is not one of {choices}")
+    return field(default=default, metadata={"choices": tuple(choices)})
+
+
 def ranged(kind: type, *, ge=None, gt=None, le=None, lt=None):
     """An argparse `type=` for a numeric command-line flag with its range (the `num` of flags): the text
     is parsed as `kind` (int or float) and must lie in the Range, NaN and infinities never do. A bad value
@@ -72,9 +80,9 @@ def ranged(kind: type, *, ge=None, gt=None, le=None, lt=None):
 
 @dataclass
 class TargetConfig:
-    kind: str = "tiny"  # tiny: built-in Qwen3-style LM with seeded random weights; hf: transformers
+    kind: str = one_of("tiny", "tiny", "hf")  # tiny: built-in Qwen3-style LM with seeded random weights; hf: transformers
     path: str = ""  # local directory for kind=hf
-    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    dtype: str = one_of("auto", "auto", "float32", "bfloat16", "float16")  # auto: bfloat16 on CUDA, float32 on CPU
     seed: int = num(1234, ge=0)  # weights of the tiny target
     vocab_size: int = num(128, ge=1)
     hidden_size: int = num(64, ge=1)
@@ -104,7 +112,8 @@ class DraftConfig:
     checkpoint_layers: bool = False  # recompute each draft layer in backward (activations: one layer's)
     # dflash: the DFlash drafter; dflash2: DFlash 2 (models/dflash2.py), a grouped dynamic convolution
     # around each attention and MLP sublayer and a candidate path selector over the unary top-K.
-    variant: str = "dflash"
+    # The names of models/variants' registry (tests/unit check the two agree; config imports nothing).
+    variant: str = one_of("dflash", "dflash", "dflash2")
     conv_kernel_size: int = num(2, ge=1)  # dflash2: taps of the convolution (in-block rows it reads)
     conv_group_size: int = num(16, ge=1)  # dflash2: channels per delta group (must divide the hidden size)
     selector_top_k: int = num(16, ge=1)  # dflash2: candidates per drafted position
@@ -144,14 +153,14 @@ class PlanConfig:
     token_budget: int = num(1024, ge=1)  # real tokens per batch (49,152 in the reference run)
     max_seqs: int = num(64, ge=1)
     max_anchors: int = num(0, ge=0)  # 0 = no cap on anchors per batch
-    packing: str = "fill"  # fill: next-fit of the long half, gaps filled with the short half; next_fit; sorted (plan/epochs.py)
+    packing: str = one_of("fill", "fill", "next_fit", "sorted")  # fill: next-fit of the long half, gaps filled with the short half; next_fit; sorted (plan/epochs.py)
 
 
 @dataclass
 class RolesConfig:
-    mode: str = "disaggregated"  # colocated: every rank runs target then drafter (N=1 allowed)
+    mode: str = one_of("disaggregated", "disaggregated", "colocated")  # colocated: every rank runs target then drafter (N=1 allowed)
     drafters_per_node: int = num(1, ge=1)
-    drafter_sharding: str = "ddp"  # ddp: replicas, gradients averaged; fsdp: FSDP2 shards among drafters
+    drafter_sharding: str = one_of("ddp", "ddp", "fsdp")  # ddp: replicas, gradients averaged; fsdp: FSDP2 shards among drafters
 
 
 @dataclass
@@ -161,7 +170,7 @@ class ObjectiveConfig:
     gamma: float = num(0.0, ge=0)  # 0 = the paper's rule: 7 for B=16, 5 for B=10, 4 for B=8
     # data: the corpus tokens; target_argmax / target_soft: distillation from the target's logits
     # (its greedy token / its top-k softmax), which makes every target run its whole forward.
-    labels: str = "data"
+    labels: str = one_of("data", "data", "target_argmax", "target_soft")
     soft_top_k: int = num(8, ge=1)  # logits per token sent for target_soft
     # Drafter memory follows these, not the batch: anchors per forward/backward inside one optimizer
     # step (0 = all of the batch's at once), and block rows per LM-head + cross-entropy chunk.
@@ -170,11 +179,11 @@ class ObjectiveConfig:
     # step: the step's summed weighted loss over all drafters' batches divided by the all-reduced sum of
     # weights (every trained (token, slot) of a step counts the same, as SpecForge does); batch: the mean
     # over the step's batches of each batch's own weighted mean.
-    loss_norm: str = "step"
+    loss_norm: str = one_of("step", "step", "batch")
     # gamma: the fixed decay exp(-(k-1)/gamma) per block slot k; dpace: D-PACE (arXiv 2605.18810), each
     # block's weights from the drafter's own confidences (training/objective.py), the summed loss then
     # divided by the step's (or batch's) number of blocks instead of its weight sum. Hard labels only.
-    position_weights: str = "gamma"
+    position_weights: str = one_of("gamma", "gamma", "dpace")
     dpace_alpha: float = num(0.5, gt=0, le=1)  # D-PACE's confidence smoothing (1 - a) * q + a (the paper's 0.5)
     # dflash2: weight alpha of the selector's K-way cross-entropy (training/selector.py) beside the unary
     # loss (1.0: speculators' and SpecForge's default); selector_detach: none of its gradient into the backbone.
@@ -196,12 +205,12 @@ class OptimConfig:
 @dataclass
 class TransportConfig:
     max_in_flight: int = num(2, ge=1)  # packets a target may run ahead of each drafter
-    dtype: str = "auto"  # feature transfer dtype; auto = the target's compute dtype
+    dtype: str = one_of("auto", "auto", "float32", "bfloat16", "float16")  # feature transfer dtype; auto = the target's compute dtype
 
 
 @dataclass
 class DistConfig:
-    backend: str = "auto"  # auto: nccl with CUDA, gloo otherwise
+    backend: str = one_of("auto", "auto", "gloo", "nccl")  # auto: nccl with CUDA, gloo otherwise
     # Collectives may legitimately wait through a compile or a checkpoint save; dead peers are found by
     # the heartbeats within dead_after_s, so this is only the last resort.
     timeout_s: float = num(1800.0, gt=0)  # must exceed dead_after_s + 2 * heartbeat_s (see `validate`)
@@ -219,7 +228,7 @@ class MonitorConfig:
 
 @dataclass
 class WandbConfig:
-    mode: str = "offline"  # online | offline | disabled; WANDB_MODE in the environment overrides it
+    mode: str = one_of("offline", "online", "offline", "disabled")  # online | offline | disabled; WANDB_MODE in the environment overrides it
     init_timeout_s: float = num(20.0, gt=0)  # online start-up wait; then wandb logs offline (upload later: wandb sync)
     project: str = "dflash_dist"
     name: str = ""
@@ -258,22 +267,6 @@ class Config:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-
-
-_CHOICES = {
-    "model.target.kind": ("tiny", "hf"),
-    "model.target.dtype": ("auto", "float32", "bfloat16", "float16"),
-    "plan.packing": ("fill", "next_fit", "sorted"),
-    "roles.mode": ("disaggregated", "colocated"),
-    "roles.drafter_sharding": ("ddp", "fsdp"),
-    "objective.labels": ("data", "target_argmax", "target_soft"),
-    "objective.loss_norm": ("step", "batch"),
-    "objective.position_weights": ("gamma", "dpace"),
-    "model.draft.variant": ("dflash", "dflash2"),
-    "transport.dtype": ("auto", "float32", "bfloat16", "float16"),
-    "dist.backend": ("auto", "gloo", "nccl"),
-    "wandb.mode": ("online", "offline", "disabled"),
-}
 
 
 def _error_key(exc: OmegaConfBaseException) -> str:
@@ -328,6 +321,19 @@ def ranges(node: Any = Config, prefix: str = "") -> dict[str, "Range"]:
     return out
 
 
+def choices(node: Any = Config, prefix: str = "") -> dict[str, tuple[str, ...]]:
+    """Every key of the schema declared with `one_of` (dotted) -> the values it may take."""
+    out: dict[str, tuple[str, ...]] = {}
+    hints = typing.get_type_hints(node)
+    for f in dataclasses.fields(node):
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(hints[f.name]):
+            out.update(choices(hints[f.name], key + "."))
+        elif "choices" in f.metadata:
+            out[key] = f.metadata["choices"]
+    return out
+
+
 def _check_ranges(cfg: Config) -> None:
     for key, rng in ranges().items():
         v = _get(cfg, key)
@@ -338,9 +344,9 @@ def _check_ranges(cfg: Config) -> None:
 def validate(cfg: Config) -> None:
     """Checks that need no process group and no model weights (those come in `models.build.draft_spec`):
     each numeric key against the range its schema field declares, then the rules that relate keys."""
-    for key, choices in _CHOICES.items():
-        if _get(cfg, key) not in choices:
-            raise ConfigError(f"config key '{key}': {_get(cfg, key)!r} is not one of {choices}")
+    for key, allowed in choices().items():
+        if _get(cfg, key) not in allowed:
+            raise ConfigError(f"config key '{key}': {_get(cfg, key)!r} is not one of {allowed}")
     _check_ranges(cfg)
     if cfg.objective.labels == "target_soft" and cfg.model.target.kind == "tiny" \
             and cfg.objective.soft_top_k > cfg.model.target.vocab_size:

@@ -13,7 +13,6 @@ Generation is batched without padding (`dflash_dist.models.decode.greedy`).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -27,24 +26,9 @@ import numpy as np
 import torch
 
 from dflash_dist.data.dataset import TokenDataset
-from dflash_dist.models.decode import greedy
+from dflash_dist.models.decode import greedy, one_cpu_thread
 
 log = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def _one_cpu_thread(device: torch.device):
-    """Decoding runs thousands of tiny ops: on CPU, intra-op threads only add synchronisation, and on
-    a shared machine they can make it ten times slower (measured). Restored afterwards."""
-    if device.type != "cpu":
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def split_samples(ds: TokenDataset) -> tuple[np.ndarray, np.ndarray]:
@@ -79,7 +63,7 @@ def regenerate_responses(target, ds: TokenDataset, max_new_tokens: int | None = 
     dev = target.embed_tokens.weight.device
     order = todo[np.argsort(-rlen[todo], kind="stable")]  # similar response lengths share a batch
     responses: dict[int, np.ndarray] = {}
-    with _one_cpu_thread(dev):
+    with one_cpu_thread(dev):
         for k in range(0, len(order), batch_size):
             chunk = order[k:k + batch_size]
             prompts = [torch.from_numpy(ds.sample(i)[0][:plen[i]].astype(np.int64)).to(dev) for i in chunk]

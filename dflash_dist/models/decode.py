@@ -12,12 +12,27 @@ DynamicCache), or `RecomputeCache`, which recomputes everything (the reference).
 """
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
 
 from dflash_dist.models.qwen3 import TinyQwen3, apply_rope, rope_cos_sin
+
+
+@contextlib.contextmanager
+def one_cpu_thread(device: torch.device):
+    """Decoding a small model runs thousands of tiny ops: on CPU, intra-op threads only add
+    synchronisation, and on a shared machine they made it up to ten times slower (measured on
+    data.regenerate's synthetic path). One thread inside, the count restored afterwards; CUDA untouched."""
+    before = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _qkv(layer, x, cos, sin):

@@ -23,6 +23,7 @@ import psutil
 import torch
 
 from dflash_dist.checkpoints.files import json_safe
+from dflash_dist.config import choices
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +259,7 @@ def end_partial_line(path: Path) -> int:
     return 1
 
 
-WANDB_MODES = ("online", "offline", "disabled")
+WANDB_MODES = choices()["wandb.mode"]
 _WANDB_ALIASES = {"dryrun": "offline", "run": "online"}  # older spellings wandb still accepts
 
 

@@ -34,12 +34,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dflash_dist.config import ConfigError
+from dflash_dist.config import ConfigError, choices
 from dflash_dist.data.anchors import anchors_per_sample  # the rule's, imported here by the plan's users too
 from dflash_dist.plan.seeding import seeded_generator
 
 SKIP_REASONS = ("empty", "no_supervised", "no_anchor", "over_budget")  # in order of precedence
-PACKINGS = ("fill", "next_fit", "sorted")
+PACKINGS = choices()["plan.packing"]
 
 log = logging.getLogger(__name__)
 

@@ -11,11 +11,11 @@ reply to its batch. `PerReplySampler` does the drawing inside a greedy generate(
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import torch
 
+from dflash_dist.models.decode import one_cpu_thread
 from dflash_dist.data.regen.engine import EngineSpec, Generated, OnReply, Request, Sampling, finish, serve_in_waves
 
 log = logging.getLogger(__name__)
@@ -25,19 +25,6 @@ def _dtype(name: str, device: torch.device):
     if name == "auto":
         return torch.float32 if device.type == "cpu" else "auto"
     return getattr(torch, name)
-
-
-@contextlib.contextmanager
-def _one_cpu_thread(device: torch.device):
-    """A tiny model on a shared CPU runs thousands of small ops: intra-op threads only add
-    synchronisation (data.regenerate's synthetic path measured up to 10x slower). Restored afterwards."""
-    before = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 class PerReplySampler:
@@ -81,7 +68,7 @@ class HfEngine:
         out: list[Generated | None] = [None] * len(prompts)
         # Similar lengths share a batch: less padding, and a batch's replies end at similar times.
         order = sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), -max_tokens[i]))
-        with _one_cpu_thread(self.device), torch.inference_mode():
+        with one_cpu_thread(self.device), torch.inference_mode():
             for b in range(0, len(order), self.batch_size):
                 idx = order[b:b + self.batch_size]
                 for i, g in zip(idx, self._batch([prompts[i] for i in idx], [max_tokens[i] for i in idx],
