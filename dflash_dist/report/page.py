@@ -12,7 +12,7 @@ from dflash_dist.report.runs import RunData
 ROWS = ("state", "packing", "drafters : targets", "batches per epoch (planned)", "batches trained", "optimizer steps",
         "samples", "tokens", "training time", "throughput", "final loss", "last epoch: mean loss, accuracy",
         "tau before training", "tau after training",
-        "tau estimate (teacher-forced)", "samples skipped (plan)", "samples skipped (preparation)",
+        "accept_len (training batches, teacher-forced)", "samples skipped (plan)", "samples skipped (preparation)",
         "non-finite steps skipped")
 
 
@@ -69,7 +69,7 @@ def key_figures(run: RunData) -> dict[str, str]:
         "last epoch: mean loss, accuracy": _last_epoch(run),
         "tau before training": _tau(s.get("tau_untrained")) if s else "-",
         "tau after training": _tau(s.get("tau_trained")) if s else "-",
-        "tau estimate (teacher-forced)": _num(s.get("final_accept_len_estimate", last.get("accept_len")), "{:.3f}"),
+        "accept_len (training batches, teacher-forced)": _num(s.get("final_accept_len_estimate", last.get("accept_len")), "{:.3f}"),
         "samples skipped (plan)": _skips(s.get("skipped")) if s else "-",
         "samples skipped (preparation)": _skips(s.get("skipped_in_preparation")) if s else "-",
         "non-finite steps skipped": _num(s.get("skipped_nonfinite_steps", last.get("skipped_steps"))),
