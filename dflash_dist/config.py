@@ -185,7 +185,7 @@ class ObjectiveConfig:
     # divided by the step's (or batch's) number of blocks instead of its weight sum. Hard labels only.
     position_weights: str = one_of("gamma", "gamma", "dpace")
     dpace_alpha: float = num(0.5, gt=0, le=1)  # D-PACE's confidence smoothing (1 - a) * q + a (the paper's 0.5)
-    # dflash2: weight alpha of the selector's K-way cross-entropy (training/selector.py) beside the unary
+    # dflash2: weight alpha of the selector's K-way cross-entropy (models/variants/dflash2_loss.py) beside the unary
     # loss (1.0: speculators' and SpecForge's default); selector_detach: none of its gradient into the backbone.
     selector_weight: float = num(1.0, ge=0)
     selector_detach: bool = False

@@ -21,7 +21,7 @@ what autograd keeps for backward, tensor by tensor, at the worst batch of the re
 The accounting follows the code as it is (dflash_dist.training.step, models.drafter, models.qwen3, objective,
 transport); `python -m dflash_dist.bench.memory --validate` checks it against measurement on CPU
 (bytes saved for backward and the peak of live tensor bytes) at a scaled shape. Model shapes come from
-the config (tiny target), the target's config.json (hf), or a built-in table (`model_shapes.py`).
+the config (tiny target), the target's config.json (hf), or a built-in table (`forecast/shapes.py`).
 """
 from __future__ import annotations
 

@@ -1,11 +1,13 @@
 """Drafter role: recv features -> DFlash loss -> backward -> averaged gradients -> optimizer step.
 
-Drafters train in lockstep: a global step is one batch per drafter (schedule.py), and every step ends
-with one gradient: the summed weighted loss of all the step's batches divided by their all-reduced weight
-sum, or block count under D-PACE (objective.loss_norm=step; `batch`: the mean of batch
-means). Replicas all-reduce it once (and stay
-bitwise equal, checked at the end), FSDP2 shards reduce-scatter it (sharding.py). Rank 0's other duties (monitor, wandb, evaluation,
-checkpoints, export, summary) live in reporting.py; every other rank gets the do-nothing twin.
+Drafters train in lockstep: a global step is one batch per drafter (plan/schedule.py), and every step
+ends with one gradient: the summed weighted loss of all the step's batches divided by their all-reduced
+weight sum, or block count under D-PACE (objective.loss_norm=step; `batch`: the mean of batch means).
+Replicas all-reduce it once (and stay bitwise equal, checked at the end), FSDP2 shards reduce-scatter it
+(parallel/sharding.py). The step itself is `training.step.drafter_step` with the run's `StepSettings`;
+the optimizer step (the non-finite skip) is `TrainState.optimizer_step`. Rank 0's other duties (monitor,
+wandb, evaluation, checkpoints, export, summary) live in roles/reporter.py; every other rank gets the
+do-nothing twin.
 """
 from __future__ import annotations
 

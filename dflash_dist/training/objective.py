@@ -149,7 +149,7 @@ class StepMetrics:
     valid: torch.Tensor  # (B,) trained labels per slot
     accept_sum: float | torch.Tensor  # sum over blocks of the accepted prefix length (+1 bonus)
     num_blocks: int
-    # DFlash 2 (training/selector.py): correct/accept_sum then follow the selector's walk; these hold the
+    # DFlash 2 (models/variants/dflash2_loss.py): correct/accept_sum then follow the selector's walk; these hold the
     # unary head's own figures, the selector term's sum of w * ce and the top-K's recall of the gold.
     unary_correct: torch.Tensor | None = None
     unary_accept_sum: float | torch.Tensor | None = None

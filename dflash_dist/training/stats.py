@@ -29,7 +29,7 @@ class StepStats:
     wait_s: float = 0.0  # cumulative seconds this drafter waited for packets (summed over drafters)
     compute_s: float = 0.0  # cumulative seconds of drafter compute
     save_due: int = 0  # rank 0: a periodic checkpoint is due after this step (every drafter gathers for it)
-    # DFlash 2 (training/selector.py): accept_sum and correct follow the selector's walk; the unary head's
+    # DFlash 2 (models/variants/dflash2_loss.py): accept_sum and correct follow the selector's walk; the unary head's
     # own figures, the selector term (before its weight) and the top-K's recall of the gold come beside.
     unary_accept_sum: float | torch.Tensor = 0.0
     selector_loss_sum: float | torch.Tensor = 0.0
