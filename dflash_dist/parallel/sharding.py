@@ -122,4 +122,5 @@ def make_sharding(kind: str, model: nn.Module, group, device: torch.device, src:
 
 def total_norm(norm) -> float:
     """clip_grad_norm_'s result as a float (a DTensor under FSDP)."""
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    from torch.distributed.tensor import DTensor
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
