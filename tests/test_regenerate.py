@@ -129,6 +129,8 @@ def test_batched_greedy_falls_back_to_capture():
     tiny = build_target(load_config(), CPU)
 
     class CaptureOnly(torch.nn.Module):
+        kind = "recompute"  # models.target: decoded by recomputing the sequence
+
         def __init__(self):
             super().__init__()
             self.inner = tiny

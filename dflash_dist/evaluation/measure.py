@@ -54,7 +54,7 @@ def eval_bench_set(cfg, target):
         pset.check_vocab(target.vocab_size)
         if pset.kind != "turns":
             return pset, None
-        if not hasattr(target, "hf"):
+        if target.kind != "hf":
             raise EvalInputError(f"{pset.source}: conversation prompts need a transformers target with a "
                                  "tokenizer (model.target.kind=hf)")
         from dflash_dist.evaluation.chat import Chat

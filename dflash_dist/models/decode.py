@@ -127,7 +127,7 @@ def greedy(target, prompts: list[torch.Tensor], counts: list[int]) -> list[torch
     """Greedy continuation of counts[r] tokens for every prompt (any lengths). The built-in target
     decodes them all at once; other targets get one batch per prompt length (no padding, so no
     attention mask), run to the batch's largest count."""
-    if isinstance(target, TinyQwen3):
+    if target.kind == "tiny":
         return tiny_greedy(target, prompts, counts)
     dev = target.embed_tokens.weight.device
     result: list[torch.Tensor] = [torch.zeros(0, dtype=torch.long, device=dev) for _ in prompts]
@@ -137,7 +137,7 @@ def greedy(target, prompts: list[torch.Tensor], counts: list[int]) -> list[torch
             by_len[len(p)].append(r)
     for rows in by_len.values():
         batch, n = torch.stack([prompts[r] for r in rows]).to(dev), max(counts[r] for r in rows)
-        gen = target.greedy(batch, n) if hasattr(target, "greedy") else recompute_greedy(target, batch, n)
+        gen = target.greedy(batch, n) if target.kind == "hf" else recompute_greedy(target, batch, n)
         for r, row in zip(rows, gen):
             result[r] = row[:counts[r]]
     return result
@@ -235,8 +235,10 @@ def sequence_cache(target, layer_ids, capacity: int, recompute: bool = False):
     """The fastest exact cache this target has (`recompute=True`: the reference)."""
     if recompute:
         return RecomputeCache(target, layer_ids)
-    if isinstance(target, TinyQwen3):
+    if target.kind == "tiny":
         return TinyCache(target, layer_ids, capacity)
-    if hasattr(target, "hf"):
+    if target.kind == "hf":
         return HFCache(target, layer_ids)
-    return RecomputeCache(target, layer_ids)
+    if target.kind == "recompute":
+        return RecomputeCache(target, layer_ids)
+    raise ValueError(f"a {target.kind!r} target does not decode (a drafter rank's head-only target)")

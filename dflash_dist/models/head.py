@@ -125,7 +125,8 @@ def load_hf_head(path: str | Path, dtype: torch.dtype, device: torch.device | st
 
 class HeadOnlyTarget(nn.Module):
     """The attributes of the target adapters (TinyQwen3, HFTarget) that a drafter uses, without the
-    decoder: shapes, the frozen `embed_tokens` and `lm_head`, and `default_mask_token_id`."""
+    decoder: shapes, the frozen `embed_tokens` and `lm_head`, and `default_mask_token_id` (`TargetShapes`)."""
+    kind = "head"
 
     def __init__(self, facts: dict, embed_tokens: nn.Embedding, lm_head: nn.Linear,
                  default_mask_token_id: int | None = None, info: dict | None = None):

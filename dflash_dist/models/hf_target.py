@@ -108,7 +108,8 @@ def _set_shape(obj, config) -> None:
 
 
 class HFTarget(nn.Module):
-    """Frozen, eval-mode wrapper with TinyQwen3's attributes and `capture`."""
+    """Frozen, eval-mode wrapper with TinyQwen3's attributes and `capture` (a `Target`)."""
+    kind = "hf"
 
     def __init__(self, hf_model: nn.Module):
         super().__init__()

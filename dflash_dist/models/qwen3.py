@@ -93,7 +93,8 @@ class DecoderLayer(nn.Module):
 
 
 class TinyQwen3(nn.Module):
-    """A Qwen3-style causal LM over packed batches. `capture` is the target's whole job."""
+    """A Qwen3-style causal LM over packed batches. `capture` is the target's whole job (a `Target`)."""
+    kind = "tiny"
 
     def __init__(self, tc):
         super().__init__()
