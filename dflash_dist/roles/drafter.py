@@ -14,8 +14,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -41,48 +42,75 @@ from dflash_dist.parallel.transport import Packet, PacketError, PendingPacket, R
 log = logging.getLogger(__name__)
 
 
-class LocalPacket:
-    """Colocated mode: this rank's own target computes the batch's features when the step needs them."""
+@dataclass
+class LocalTarget:
+    """Colocated mode: this rank's own target, which computes a batch's features when the step needs
+    them; `compute_s` sums the time it took (the drafter's wait excludes it)."""
+    target: Any
+    dataset: Any
+    layer_ids: tuple[int, ...]
+    objective: Any
+    dtype: torch.dtype
+    device: torch.device
+    clock: Callable[[], float]
+    compute_s: float = 0.0
 
-    def __init__(self, d: "Drafter", plan: BatchPlan, epoch: int, b: int):
-        self.d, self.plan, self.epoch, self.b, self.src = d, plan, epoch, b, d.run.ctx.rank
+    def packet(self, batch_ids, epoch: int, b: int) -> Packet:
+        t0 = self.clock()
+        batch = collate(self.dataset, batch_ids).to(self.device)
+        feats, labels = capture_for_drafter(self.target, batch, self.layer_ids, self.objective, self.dtype)
+        self.compute_s += self.clock() - t0
+        return Packet(epoch, b, batch, feats, self.compute_s, 0.0, labels)
+
+
+class LocalPacket:
+    """A colocated batch, computed by `LocalTarget` when the step waits for it."""
+
+    def __init__(self, local: LocalTarget, batch_ids, epoch: int, b: int):
+        self.local, self.batch_ids, self.epoch, self.b = local, batch_ids, epoch, b
 
     def wait(self) -> Packet:
-        d, run = self.d, self.d.run
-        t0 = d.clock()
-        batch = collate(run.dataset, self.plan.batch(self.b)).to(d.device)
-        feats, labels = capture_for_drafter(run.target, batch, run.spec.target_layer_ids, run.cfg.objective,
-                                            d.packets.dtype)
-        d.local_target_s += d.clock() - t0
-        return Packet(self.epoch, self.b, batch, feats, d.local_target_s, 0.0, labels)
+        return self.local.packet(self.batch_ids, self.epoch, self.b)
+
+
+@dataclass(frozen=True)
+class Receiver:
+    """What an Inbox needs of its drafter: where its batches come from and what they look like."""
+    layout: Any
+    index: int  # this drafter's index among the drafters
+    packets: Any  # training.capture's PacketSpec
+    lengths: Any  # the dataset's sample lengths (a packet's size follows from its batch)
+    device: torch.device
+    pool: RecvPool | None  # CPU receive buffers, reused
+    local: LocalTarget | None  # colocated mode's own target
 
 
 class Inbox:
     """This drafter's packets of one epoch, requested up to `transport.max_in_flight` steps ahead, in
     increasing batch order (the order its targets send them in)."""
 
-    def __init__(self, d: "Drafter", plan: BatchPlan, sched: EpochSchedule, votes: Votes):
-        self.d, self.plan, self.sched, self.votes = d, plan, sched, votes
+    def __init__(self, rx: Receiver, plan: BatchPlan, sched: EpochSchedule, votes: Votes):
+        self.rx, self.plan, self.sched, self.votes = rx, plan, sched, votes
         self.pending: deque = deque()
         self.next_step = 0  # first step whose packet is not requested yet
 
     def post_until(self, limit: int) -> None:
-        d, sched = self.d, self.sched
+        sched = self.sched
         while self.next_step < min(limit, sched.steps):
             if self.votes.stops_by(self.next_step):
                 return  # everyone stops at that boundary: nothing past it will be sent
-            b = sched.batch(self.next_step, d.j)
+            b = sched.batch(self.next_step, self.rx.index)
             if b is not None:
                 self.pending.append((b, self._request(b)))
             self.next_step += 1
 
     def _request(self, b: int):
-        d, spec = self.d, self.d.packets
-        if d.layout.colocated:
-            return LocalPacket(d, self.plan, self.sched.epoch, b)
-        n_tok, n_seq = spec.shape(d.run.dataset.lengths, self.plan.batch(b))
-        return PendingPacket(self.sched.route(d.layout, b)[0], self.sched.epoch, b, n_tok, n_seq, spec.feat_dim,
-                             spec.dtype, d.device, label_width=spec.label_width, soft=spec.soft, pool=d.pool)
+        rx, spec = self.rx, self.rx.packets
+        if rx.local is not None:
+            return LocalPacket(rx.local, self.plan.batch(b), self.sched.epoch, b)
+        n_tok, n_seq = spec.shape(rx.lengths, self.plan.batch(b))
+        return PendingPacket(self.sched.route(rx.layout, b)[0], self.sched.epoch, b, n_tok, n_seq, spec.feat_dim,
+                             spec.dtype, rx.device, label_width=spec.label_width, soft=spec.soft, pool=rx.pool)
 
     def take(self, b: int) -> Packet:
         got, pp = self.pending.popleft()
@@ -96,8 +124,8 @@ class Inbox:
 
     def done(self, packet: Packet) -> None:
         """The step that used `packet` is over: its feature buffer may be received into again."""
-        if self.d.pool is not None and not self.d.layout.colocated:
-            self.d.pool.give_back(packet.features)
+        if self.rx.pool is not None and self.rx.local is None:
+            self.rx.pool.give_back(packet.features)
 
     def check_empty(self) -> None:
         # Packets requested past an agreed stop, or batches never consumed, would mean a broken route.
@@ -123,11 +151,14 @@ class Drafter:
                      run.cursor.epoch + 1, run.cursor.batch, self.state.totals.steps, self.total_steps)
         self.state.cursor = run.cursor
         self.packets = packet_spec(cfg, run.spec, self.device)
-        self.pool = RecvPool() if self.device.type == "cpu" else None  # CUDA: the caching allocator is one
+        pool = RecvPool() if self.device.type == "cpu" else None  # CUDA: the caching allocator is one
         self.settings = step_settings(cfg.objective, run.spec, drafter_autocast(self.device))
         self.step_norm = not self.settings.batch_mean
         self.clock = device_clock(self.device)
-        self.wait_s = self.compute_s = self.local_target_s = 0.0
+        self.wait_s = self.compute_s = 0.0
+        local = LocalTarget(run.target, run.dataset, tuple(run.spec.target_layer_ids), cfg.objective,
+                            self.packets.dtype, self.device, self.clock) if self.layout.colocated else None
+        self.rx = Receiver(self.layout, self.j, self.packets, run.dataset.lengths, self.device, pool, local)
         self.target_counters = torch.zeros(ctx.world_size, 2, dtype=torch.float64, device=self.device)
         self.reporter = make_reporter(run, self.state, self.total_steps)
         self.save_due = False
@@ -170,7 +201,7 @@ class Drafter:
         self._log_epoch(sched, plan)
         self.reporter.epoch_start(sched, plan)
         votes = Votes(sched, StopAgreement(run.stop_flag, run.ctx.ctrl_group))
-        inbox = Inbox(self, plan, sched, votes)
+        inbox = Inbox(self.rx, plan, sched, votes)
         for step in range(sched.steps):
             if votes.reach(step):
                 inbox.check_empty()
@@ -196,19 +227,23 @@ class Drafter:
         log.info("epoch %d: %d batches (plan %s), %d steps%s; tail: %s", sched.epoch + 1, sched.num_batches,
                  plan_digest(plan), sched.steps, f", resuming at batch {sched.origin}" if sched.origin else "", tail)
 
+    def local_target_s(self) -> float:
+        """Seconds this rank's own target spent on its batches (colocated mode; else 0)."""
+        return self.rx.local.compute_s if self.rx.local is not None else 0.0
+
     # -- one step ---------------------------------------------------------------------------------
     def train_step(self, sched: EpochSchedule, step: int, inbox: Inbox) -> None:
         """Receive (or idle in a tail step), forward/backward, then the synchronised optimizer step."""
         stats = StepStats(self.run.cfg.objective.block_size)
         b, real = sched.batch(step, self.j), sched.real(step)
         div = 1 if self.step_norm else real  # step: summed here, divided by the step's weight sum below
-        t0, local0 = self.clock(), self.local_target_s
+        t0, local0 = self.clock(), self.local_target_s()
         t1 = t0
         self.sharding.begin_step()
         if b is not None:
             packet = inbox.take(b)
             t1 = self.clock()
-            self.wait_s += t1 - t0 - (self.local_target_s - local0)
+            self.wait_s += t1 - t0 - (self.local_target_s() - local0)
             self.target_counters[packet_src(inbox, packet, self.run.ctx.rank)] = torch.tensor(
                 [packet.sender_compute_s, packet.sender_wait_s], dtype=torch.float64)
             self._forward_backward(packet, sched.epoch, b, stats, self.sharding.loss_scale(div))
@@ -324,4 +359,4 @@ class Drafter:
 
 def packet_src(inbox: Inbox, packet: Packet, rank: int) -> int:
     """The rank whose counters a packet carries (this rank itself in colocated mode)."""
-    return rank if inbox.d.layout.colocated else inbox.sched.route(inbox.d.layout, packet.batch)[0]
+    return rank if inbox.rx.local is not None else inbox.sched.route(inbox.rx.layout, packet.batch)[0]
