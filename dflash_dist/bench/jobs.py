@@ -9,6 +9,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from dflash_dist.checkpoints.files import atomic_write
+
 
 def run_job(nproc: int, overrides: list[str], timeout: float = 900) -> dict:
     """Launch `torchrun -m dflash_dist.train` on this machine; returns summary.json plus wall time."""
@@ -31,4 +33,4 @@ def run_job(nproc: int, overrides: list[str], timeout: float = 900) -> dict:
 def write_json(path: str, payload: dict) -> None:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(payload, indent=2) + "\n")
+    atomic_write(p, json.dumps(payload, indent=2) + "\n")

@@ -20,6 +20,8 @@ from typing import Callable
 
 import psutil
 
+from dflash_dist.checkpoints.files import atomic_write
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -42,9 +44,7 @@ class Report:
 
     def save(self) -> None:
         if self.path is not None:
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"rows": self.rows, **self.extra}, default=str))
-            os.replace(tmp, self.path)
+            atomic_write(self.path, json.dumps({"rows": self.rows, **self.extra}, default=str))
 
 
 def fmt(value) -> str:

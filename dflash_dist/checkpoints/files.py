@@ -1,12 +1,20 @@
-"""Durable writes: what atomic writers (checkpoints, datasets, exports, summaries) need from the filesystem."""
+"""Durable writes: the one atomic file write (atomic_write), the one atomic directory write (AtomicDir) and
+the one temporary-name rule both use (temp_sibling), for every stage that writes (checkpoints, datasets,
+summaries, caches, benchmark results). models/ is below this layer and cannot import it: its writers
+(from_gguf, export) keep their own.
+"""
 from __future__ import annotations
 
 import json
 import math
 import os
+import secrets
+import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Callable
+
+TMP_TAG = ".tmp-"  # in every temporary name: readers refuse it and start-up clean-ups look for it
 
 
 def fsync_dir(path: Path) -> None:
@@ -16,6 +24,101 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def temp_sibling(path: Path, tag: str = "tmp") -> Path:
+    """The one temporary-name rule: `.NAME.tmp-PID-RANDOM` beside `path`. A sibling, so the rename stays on
+    one filesystem (only there is it atomic); hidden, so no glob of final names picks it up; the pid and
+    random part keep racing writers (ranks, jobs) and a stale temporary of a killed one apart. `tag` "old"
+    names a destination moved aside by AtomicDir."""
+    return path.with_name(f".{path.name}.{tag}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def atomic_write(path: str | os.PathLike, data: str | bytes | Callable[[BinaryIO], object]) -> Path:
+    """Write `path` atomically: a reader (or a crash) sees the old file or the new one, never a part.
+    `data` is text (written as UTF-8), bytes, or a callback that writes into the open binary file (for
+    writers that take a file object: torch.save, np.savez, json.dump). The temporary is fsynced before
+    the rename and the directory after it, so the new file survives a power cut once this returns; on
+    any failure (the callback's included) the temporary is removed and the old file is left as it was."""
+    path = Path(path)
+    tmp = temp_sibling(path)
+    try:
+        with open(tmp, "xb") as f:
+            if callable(data):
+                data(f)
+            else:
+                f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return path
+
+
+def sync_tree(root: Path) -> None:
+    """fsync every file under `root`, then every directory, deepest first (their entries name the files)."""
+    for top, _dirs, names in os.walk(root, topdown=False):
+        for name in names:
+            p = os.path.join(top, name)
+            if not os.path.islink(p):
+                with open(p, "rb") as f:
+                    os.fsync(f.fileno())
+        fsync_dir(Path(top))
+
+
+class AtomicDir:
+    """A directory built under a temporary sibling (`.tmp`, temp_sibling's name) and renamed into place
+    whole by `commit`, so `path` is absent, the old one or the new one, never a part. Use as a context
+    manager (commit on success, abort on an exception) or call commit/abort. `replace`: an existing
+    `path` is replaced (moved aside, then deleted once the new one stands); otherwise commit refuses it
+    with FileExistsError. `tmp`: a fixed temporary name instead of the rule's, only for a store whose
+    leftovers are already known by that name (checkpoints' step-N.tmp); a stale one is removed first."""
+
+    def __init__(self, path: str | os.PathLike, *, replace: bool = False, tmp: Path | None = None):
+        self.path, self.replace = Path(path).absolute(), replace
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)  # a killed writer's: the caller holds the only right to write
+        self.tmp = Path(tmp) if tmp is not None else temp_sibling(self.path)
+        self.tmp.mkdir()
+
+    def __enter__(self) -> "AtomicDir":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+    def commit(self, synced: bool = False) -> Path:
+        """fsync the temporary's files and directories (skipped when `synced`: the caller did it through
+        the handles it held), rename it into place, fsync the parent. Returns `path`."""
+        if not synced:
+            sync_tree(self.tmp)
+        old = None
+        if self.path.exists():
+            if not self.replace:
+                self.abort()
+                raise FileExistsError(f"{self.path} already exists (it appeared while it was being written)")
+            old = temp_sibling(self.path, "old")  # rename cannot replace a non-empty directory
+            os.replace(self.path, old)
+        try:
+            os.replace(self.tmp, self.path)
+        except BaseException:
+            if old is not None:
+                os.replace(old, self.path)  # the old one back under its name
+            raise
+        fsync_dir(self.path.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return self.path
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def json_safe(obj: Any) -> Any:
@@ -33,19 +136,7 @@ def json_safe(obj: Any) -> Any:
 def write_json(path: Path, obj: Any, indent: int | None = 1) -> None:
     """Write `obj` as valid JSON (non-finite floats become null), atomically: a temporary sibling is
     written and fsynced, then renamed over `path`, so a reader sees the old file or the new one."""
-    path = Path(path)
-    text = json.dumps(json_safe(obj), indent=indent, allow_nan=False) + "\n"
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    atomic_write(path, json.dumps(json_safe(obj), indent=indent, allow_nan=False) + "\n")
 
 
 class OutputPathError(ValueError):

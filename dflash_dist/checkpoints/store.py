@@ -35,7 +35,7 @@ import torch
 
 from dflash_dist.checkpoints import lineage
 from dflash_dist.config import Config, ConfigError, to_dict
-from dflash_dist.checkpoints.files import fsync_dir, json_safe
+from dflash_dist.checkpoints.files import TMP_TAG, AtomicDir, json_safe
 
 log = logging.getLogger(__name__)
 
@@ -87,30 +87,21 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, meta: dict, keep_last
     newest checkpoint of an earlier step, which that finite step vouches for. Raises
     CheckpointWriteError on a failed write, with the previous checkpoints intact."""
     final = checkpoint_path(run_dir, step)
-    tmp = final.with_name(final.name + TMP)
+    out = None
     try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        torch.save(state, tmp / STATE_FILE)
-        _fsync_file(tmp / STATE_FILE)
-        files = {STATE_FILE: _file_record(tmp / STATE_FILE)}
-        with open(tmp / META_FILE, "w") as f:  # written last: its checksums cover what is already on disk
+        # replace: the same step saved again (e.g. a stop right after a periodic save)
+        out = AtomicDir(final, replace=True, tmp=final.with_name(final.name + TMP))
+        torch.save(state, out.tmp / STATE_FILE)
+        _fsync_file(out.tmp / STATE_FILE)
+        files = {STATE_FILE: _file_record(out.tmp / STATE_FILE)}
+        with open(out.tmp / META_FILE, "w") as f:  # written last: its checksums cover what is already on disk
             f.write(json.dumps(sealed(dict(meta, files=files)), indent=1, allow_nan=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        out.commit()
     except (OSError, RuntimeError) as exc:  # torch reports a short write as a RuntimeError
         message = _write_failure(final, exc)
-        shutil.rmtree(tmp, ignore_errors=True)
+        if out is not None:
+            out.abort()
         raise CheckpointWriteError(message) from exc
-    old = None
-    if final.exists():  # the same step saved again (e.g. a stop right after a periodic save)
-        old = final.with_name(final.name + TRASH)
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-    os.replace(tmp, final)
-    fsync_dir(final.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
     log.info("saved checkpoint %s", final)
     if keep_last > 0:
         found = list_checkpoints(run_dir)
@@ -201,12 +192,13 @@ def cleanup_leftovers(run_dir: Path) -> list[str]:
     candidates = [p for p in root.iterdir()] if root.is_dir() else []
     for p in sorted(candidates):
         partial = _NAME.fullmatch(p.name) and p.is_dir() and not _is_complete(p)
-        if partial or p.name.endswith((TMP, TRASH)):
+        moved_aside = p.name.startswith(".") and ".old-" in p.name  # an AtomicDir replace killed mid-way
+        if partial or moved_aside or p.name.endswith((TMP, TRASH)):
             _delete(p)
             removed.append(str(p))
     if run_dir.is_dir():
         for p in sorted(run_dir.iterdir()):
-            if p.is_file() and p.name.startswith(".") and (".tmp-" in p.name or p.name.startswith(".write-test-")):
+            if p.is_file() and p.name.startswith(".") and (TMP_TAG in p.name or p.name.startswith(".write-test-")):
                 _delete(p)
                 removed.append(str(p))
     return removed

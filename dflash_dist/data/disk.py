@@ -21,8 +21,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable
@@ -30,7 +28,7 @@ from typing import Any, BinaryIO, Iterable
 import numpy as np
 
 from dflash_dist.data.dataset import TokenDataset
-from dflash_dist.checkpoints.files import fsync_dir
+from dflash_dist.checkpoints.files import TMP_TAG, AtomicDir, fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +37,6 @@ META = "meta.json"
 TOKENS, OFFSETS, LOSS_MASK = "tokens.bin", "offsets.bin", "loss_mask.bin"
 DTYPES = {TOKENS: np.dtype(np.uint32), OFFSETS: np.dtype(np.int64), LOSS_MASK: np.dtype(np.uint8)}
 REQUIRED_META = ("format_version", "num_samples", "num_tokens", "vocab_size")
-TMP_TAG = ".tmp-"  # temporary directories are named ".<name>.tmp-<pid>-<random>" and never open
 CHUNK = 1 << 24  # tokens per validation step: bounded temporaries (~200 MB) whatever the dataset size
 
 
@@ -70,10 +67,8 @@ class DatasetWriter:
             raise ValueError(f"vocab_size {vocab_size} does not fit uint32 token ids")
         self.vocab_size = int(vocab_size)
         self.overwrite = overwrite
-        self.out_dir.parent.mkdir(parents=True, exist_ok=True)
-        # A sibling, so the final rename stays on one filesystem (rename is only atomic there).
-        self.tmp = self.out_dir.parent / f".{self.out_dir.name}{TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.tmp.mkdir()
+        self._dir = AtomicDir(self.out_dir, replace=overwrite)  # temporary directories never open (TMP_TAG)
+        self.tmp = self._dir.tmp
         self._files: dict[str, BinaryIO] = {n: open(self.tmp / n, "wb") for n in (TOKENS, LOSS_MASK, OFFSETS)}
         self._files[OFFSETS].write(np.zeros(1, dtype=np.int64).tobytes())
         self.num_samples = 0
@@ -126,21 +121,14 @@ class DatasetWriter:
             f.flush()
             os.fsync(f.fileno())
         fsync_dir(self.tmp)
-        old = None
-        if self.out_dir.exists():  # overwrite: move the old one aside first (rename cannot replace a non-empty dir)
-            old = self.out_dir.parent / f".{self.out_dir.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(self.out_dir, old)
-        os.replace(self.tmp, self.out_dir)
-        fsync_dir(self.out_dir.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        self._dir.commit(synced=True)  # every file was fsynced above, through the handles held open
         log.info("wrote %s: %d samples, %d tokens", self.out_dir, self.num_samples, self.num_tokens)
         return self.out_dir
 
     def abort(self) -> None:
         for f in self._files.values():
             f.close()
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        self._dir.abort()
 
 
 def write_dataset(out_dir: str | os.PathLike,

@@ -23,13 +23,13 @@ import gzip
 import importlib.util
 import json
 import logging
-import os
 import random
 import sys
 from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
+from dflash_dist.checkpoints.files import atomic_write
 from dflash_dist.data.digest import file_digest
 from dflash_dist.data.jsonl import Skip, check_text, parse_messages
 from dflash_dist.exits import EXIT_BAD_INPUT
@@ -200,9 +200,7 @@ def turns_line(turns: list[str]) -> str:
 
 
 def write_lines(path: Path, lines: list[str]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write(path, "".join(line + "\n" for line in lines))
 
 
 def build(out: Path, n_train: int, n_heldout: int, turns: int = 1, seed: int = 0, max_chars: int = 2000,

@@ -17,7 +17,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import zipfile
 from pathlib import Path
 from typing import Callable
@@ -25,6 +24,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from dflash_dist.checkpoints.files import atomic_write
 from dflash_dist.data.dataset import TokenDataset
 from dflash_dist.models.decode import greedy, one_cpu_thread
 
@@ -122,11 +122,8 @@ def cached_regenerate(cache_dir: str | Path, key_dict: dict, fn: Callable[[], To
             log.warning("cache file %s is damaged (%s: %s): regenerating it", path, type(exc).__name__, exc)
     ds = fn()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        np.savez(f, tokens=ds.tokens, offsets=ds.offsets, loss_mask=ds.loss_mask,
-                 vocab_size=np.int64(ds.vocab_size), key=np.array(text))
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: np.savez(f, tokens=ds.tokens, offsets=ds.offsets, loss_mask=ds.loss_mask,
+                                          vocab_size=np.int64(ds.vocab_size), key=np.array(text)))
     log.info("regenerated corpus: cached in %s", path)
     return ds
 

@@ -21,6 +21,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash_dist.checkpoints.files import atomic_write
 from dflash_dist.data.jsonl import Skip, check_text, decode_line, numbered_lines
 from dflash_dist.data.sources import humaneval_turns
 
@@ -131,9 +132,7 @@ def _download(name: str, out: Path) -> None:
     except Exception as exc:  # offline, gated, renamed: whatever the Hub says, the way out is the same
         raise EvalInputError(f"--bench {name}: cannot load {args[0]} ({type(exc).__name__}: {exc}): {hint}") from exc
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
-    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    os.replace(tmp, out)
+    atomic_write(out, "\n".join(lines) + "\n")
 
 
 def load_bench(spec: str, bench_dir: Path) -> PromptSet:

@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_dist.checkpoints.files import check_output_dir
+from dflash_dist.checkpoints.files import atomic_write, check_output_dir
 from dflash_dist.report.runs import ReportInputError, RunData, load_run
 
 log = logging.getLogger(__name__)
@@ -55,10 +55,10 @@ def make_report(run_dirs: list[Path], out: Path, labels: list[str] | None = None
             log.info("left out %s: %s", d.name, d.note)
             continue
         path = out / f"{d.name}.png"
-        d.figure.savefig(path)
+        atomic_write(path, lambda f, fig=d.figure: fig.savefig(f, format="png"))  # a rerun while the page is open: old or new
         written.append(path)
     index = out / "index.html"
-    index.write_text(page.render(runs, drawn))
+    atomic_write(index, page.render(runs, drawn))
     return Report(index, written, left_out)
 
 

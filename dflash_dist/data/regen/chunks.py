@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from dflash_dist.checkpoints.files import fsync_dir, write_json
+from dflash_dist.checkpoints.files import TMP_TAG, atomic_write, write_json
 
 log = logging.getLogger(__name__)
 
@@ -39,22 +38,15 @@ class WriteError(OSError):
 
 
 @contextmanager
-def writing(path: Path, tmp: Path | None = None):
-    """Turn an OSError while writing `path` into WriteError naming it; remove `tmp` (its temporary) first."""
+def writing(path: Path):
+    """Turn an OSError while writing `path` into WriteError naming it (atomic_write has removed its temporary)."""
     try:
         yield
     except OSError as exc:
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
         if isinstance(exc, WriteError):
             raise
         raise WriteError(exc.errno, f"cannot write {path}: {exc.strerror or exc}; what was finished before is "
                                     "kept: make room and rerun the same command to resume") from exc
-
-
-def tmp_path(path: Path) -> Path:
-    """The hidden sibling a file is written to before its rename (write_json's naming)."""
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 
 def save_json(path: Path, obj: Any) -> None:
@@ -120,13 +112,8 @@ def chunk_lines(path: Path, chunk_size: int, todo: set[int]) -> Iterator[tuple[i
 def write_chunk(parts: Path, c: int, out_lines: list[str], counts: dict[str, Any]) -> None:
     """The chunk's lines, then its counts: a chunk with a counts file is whole."""
     data, done = chunk_paths(parts, c)
-    tmp = tmp_path(data)
-    with writing(data, tmp):
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(line + "\n" for line in out_lines)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, data)
+    with writing(data):
+        atomic_write(data, lambda f: f.writelines((line + "\n").encode("utf-8") for line in out_lines))
     save_json(done, counts)
 
 
@@ -137,17 +124,16 @@ def read_counts(parts: Path, c: int) -> dict[str, Any]:
 def merge(parts: Path, output: Path, num_chunks: int, meta: dict[str, Any]) -> None:
     """Write OUTPUT's meta file, then the chunks concatenated into OUTPUT (atomically), then remove the
     parts. The meta first: OUTPUT's existence is what a rerun reads as "done", so it must come last."""
-    for stale in output.parent.glob(f".{output.name}.tmp-*"):  # a killed merge's (the caller holds the run lock)
+    for stale in output.parent.glob(f".{output.name}{TMP_TAG}*"):  # a killed merge's (the caller holds the run lock)
         stale.unlink(missing_ok=True)
     save_json(meta_path(output), meta)
-    tmp = tmp_path(output)
-    with writing(output, tmp):
-        with open(tmp, "wb") as out:
-            for c in range(num_chunks):
-                with open(chunk_paths(parts, c)[0], "rb") as f:
-                    shutil.copyfileobj(f, out, 1 << 24)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, output)
-        fsync_dir(output.parent)
+    with writing(output):
+        atomic_write(output, lambda out: concatenate(parts, num_chunks, out))
     shutil.rmtree(parts)
+
+
+def concatenate(parts: Path, num_chunks: int, out) -> None:
+    """The chunks' lines into the open file `out`, in chunk order, 16 MiB at a time."""
+    for c in range(num_chunks):
+        with open(chunk_paths(parts, c)[0], "rb") as f:
+            shutil.copyfileobj(f, out, 1 << 24)
