@@ -32,6 +32,7 @@ import numpy as np
 
 from dflash_dist.config import Config, measures_tau
 from dflash_dist.data.anchors import anchors_per_sample, tail_anchorable
+from dflash_dist.parallel.transport import target_label_width
 from dflash_dist.forecast.shapes import KNOWN_ARCHS, ModelShapes, model_shapes
 
 GiB = 2 ** 30
@@ -372,7 +373,7 @@ def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, worst: BatchShape, 
     shard = sharding.drafters if sharding.fsdp else 1
     P = draft_param_count(s, cfg)
     nf = len(s.feature_layers)
-    w = {"data": 0, "target_argmax": 1, "target_soft": cfg.objective.soft_top_k}[cfg.objective.labels]
+    w = target_label_width(cfg.objective.labels, cfg.objective.soft_top_k)
     meta = 8 * (2 * N + worst.seqs + 1 + w * N) + (4 * cfg.objective.soft_top_k * N if w > 1 else 0)
     t: dict[str, float] = {
         "params": 4 * P / shard,
@@ -461,7 +462,7 @@ def target_terms(s: ModelShapes, p: Precision, cfg: Config, worst: BatchShape,
     ids = set(s.feature_layers)
     nf = len(s.feature_layers)
     distill = cfg.objective.labels != "data"
-    w = {"data": 0, "target_argmax": 1, "target_soft": cfg.objective.soft_top_k}[cfg.objective.labels]
+    w = target_label_width(cfg.objective.labels, cfg.objective.soft_top_k)
     feats = N * nf * H * c
     # A decoder layer without grad peaks in its MLP: the residual stream, the normed input, then
     # silu(gate), up and their product side by side (gate itself is freed by silu); a sparse layer at its

@@ -32,7 +32,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dflash_dist.config import Config
 from dflash_dist.data.collate import PackedBatch
+from dflash_dist.models.build import compute_dtype
+from dflash_dist.models.drafter import DraftSpec
 
 MAGIC = 0x0DF1A5
 HEADER_LEN = 8
@@ -92,6 +95,30 @@ class PacketSpec:
     def shape(self, lengths, indices) -> tuple[int, int]:
         """(tokens, sequences) of the batch made of these samples."""
         return int(lengths[indices].sum()), len(indices)
+
+    def meta_numel(self, n_tokens: int, n_seqs: int) -> int:
+        """int64 elements of a packet's meta: ids | loss mask | cu_seqlens | the target's ids per token."""
+        return (2 + self.label_width) * n_tokens + n_seqs + 1
+
+    def nbytes(self, n_tokens: int, n_seqs: int) -> int:
+        """Bytes of a whole packet (header, meta, features, soft values) of that batch shape."""
+        soft = 4 * self.label_width * n_tokens if self.soft else 0
+        return (8 * (HEADER_LEN + self.meta_numel(n_tokens, n_seqs)) + soft
+                + n_tokens * self.feat_dim * torch.empty(0, dtype=self.dtype).element_size())
+
+
+def target_label_width(labels: str, soft_top_k: int) -> int:
+    """Target ids sent per token: 0 for data labels, 1 (the argmax) or the top-k indices."""
+    return {"data": 0, "target_argmax": 1, "target_soft": soft_top_k}[labels]
+
+
+def packet_spec(cfg: Config, spec: DraftSpec, device: torch.device) -> PacketSpec:
+    """The one packet specification of a run (sender and receiver both build it from the config)."""
+    t = cfg.transport.dtype
+    dtype = compute_dtype(cfg.model.target.dtype if t == "auto" else t, device)
+    return PacketSpec(feat_dim=len(spec.target_layer_ids) * spec.hidden_size, dtype=dtype,
+                      label_width=target_label_width(cfg.objective.labels, cfg.objective.soft_top_k),
+                      soft=cfg.objective.labels == "target_soft")
 
 
 @dataclass
@@ -171,7 +198,8 @@ class PendingPacket:
         self.src, self.expect = src, (MAGIC, epoch, batch, n_tokens, n_seqs, feat_dim)
         self.label_width = label_width
         self.header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
-        self.meta = torch.empty((2 + label_width) * n_tokens + n_seqs + 1, dtype=torch.int64, device=device)
+        self.meta = torch.empty(PacketSpec(feat_dim, dtype, label_width, soft).meta_numel(n_tokens, n_seqs),
+                                dtype=torch.int64, device=device)
         self.features = _recv_buffer((n_tokens, feat_dim), dtype, device, pool)
         tensors = [self.header, self.meta, self.features]
         # Small next to the features (k floats per token): a fresh buffer, not the pool's.

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_dist.checkpoints import store as checkpoint
-from dflash_dist.training.capture import capture_for_drafter, packet_spec
+from dflash_dist.training.capture import capture_for_drafter
 from dflash_dist.checkpoints.store import Cursor
 from dflash_dist.data.collate import collate, warm_up_batch
 from dflash_dist.models import attention
@@ -37,7 +37,7 @@ from dflash_dist.parallel.sharding import make_sharding
 from dflash_dist.training.step import StepBatch, drafter_autocast, drafter_step, step_settings
 from dflash_dist.parallel.stop import StopAgreement
 from dflash_dist.training.state import TrainState, weights_digest
-from dflash_dist.parallel.transport import Packet, PacketError, PendingPacket, RecvPool
+from dflash_dist.parallel.transport import Packet, PacketError, PendingPacket, RecvPool, packet_spec
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from dflash_dist.training.capture import capture_for_drafter, packet_spec
+from dflash_dist.training.capture import capture_for_drafter
 from dflash_dist.checkpoints.store import Cursor
 from dflash_dist.data.collate import PackedBatch, collate, warm_up_batch
 from dflash_dist.models import attention
@@ -21,7 +21,7 @@ from dflash_dist.plan.schedule import EpochSchedule, Votes
 from dflash_dist.observe.monitor import wait_fraction
 from dflash_dist.training.stats import device_clock
 from dflash_dist.parallel.stop import StopAgreement
-from dflash_dist.parallel.transport import PacketSender
+from dflash_dist.parallel.transport import PacketSender, packet_spec
 
 log = logging.getLogger(__name__)
 

@@ -1,23 +1,12 @@
 """What a target computes for a drafter from one packed batch: the features, and for distillation labels
-the target's own predictions. Used by target ranks and by colocated ranks alike."""
+the target's own predictions. Used by target ranks and by colocated ranks alike; what travels, and how,
+is parallel/transport.py's."""
 from __future__ import annotations
 
 import torch
 
-from dflash_dist.config import Config
-from dflash_dist.models.build import compute_dtype
-from dflash_dist.models.drafter import DraftSpec
-from dflash_dist.training.objective import predictions_from_hidden, target_label_width
-from dflash_dist.parallel.transport import PacketSpec, TargetLabels
-
-
-def packet_spec(cfg: Config, spec: DraftSpec, device: torch.device) -> PacketSpec:
-    """The one packet specification of a run (sender and receiver both build it from the config)."""
-    t = cfg.transport.dtype
-    dtype = compute_dtype(cfg.model.target.dtype if t == "auto" else t, device)
-    return PacketSpec(feat_dim=len(spec.target_layer_ids) * spec.hidden_size, dtype=dtype,
-                      label_width=target_label_width(cfg.objective.labels, cfg.objective.soft_top_k),
-                      soft=cfg.objective.labels == "target_soft")
+from dflash_dist.parallel.transport import TargetLabels
+from dflash_dist.training.objective import predictions_from_hidden
 
 
 @torch.no_grad()

@@ -91,11 +91,6 @@ def loss_denominator(dpace: bool, weight_sum, num_blocks):
     return num_blocks if dpace else weight_sum
 
 
-def target_label_width(labels: str, soft_top_k: int) -> int:
-    """Target ids sent per token: 0 for data labels, 1 (the argmax) or the top-k indices."""
-    return {"data": 0, "target_argmax": 1, "target_soft": soft_top_k}[labels]
-
-
 @torch.no_grad()
 def target_predictions(logits: torch.Tensor, labels: str, soft_top_k: int):
     """What a target sends from its logits (N, V): ids (N, w) int64 and, for soft labels, the matching
