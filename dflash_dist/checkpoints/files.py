@@ -5,6 +5,7 @@ summaries, caches, benchmark results). models/ is below this layer and cannot im
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -119,6 +120,13 @@ class AtomicDir:
 
     def abort(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The sha256 (hex) of a file's bytes, read in chunks: the one file digest (checkpoint files, a
+    regeneration's input)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def json_safe(obj: Any) -> Any:

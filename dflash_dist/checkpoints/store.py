@@ -35,7 +35,7 @@ import torch
 
 from dflash_dist.checkpoints import lineage
 from dflash_dist.config import Config, ConfigError, to_dict
-from dflash_dist.checkpoints.files import TMP_TAG, AtomicDir, json_safe
+from dflash_dist.checkpoints.files import TMP_TAG, AtomicDir, file_sha256, json_safe
 
 log = logging.getLogger(__name__)
 
@@ -140,12 +140,7 @@ def _fsync_file(path: Path) -> None:
 
 
 def _file_record(path: Path) -> dict:
-    return {"sha256": _sha256(path), "bytes": path.stat().st_size}
-
-
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+    return {"sha256": file_sha256(path), "bytes": path.stat().st_size}
 
 
 def _write_failure(final: Path, exc: BaseException) -> str:
@@ -252,7 +247,7 @@ def checkpoint_problem(path: Path) -> str | None:
             return f"{f} is missing"
         if f.stat().st_size != size:
             return f"{f} has {f.stat().st_size} bytes, {META_FILE} recorded {size} (truncated or overwritten)"
-        if _sha256(f) != digest:
+        if file_sha256(f) != digest:
             return f"{f} does not match its sha256 in {META_FILE} (the file is damaged)"
     return None
 

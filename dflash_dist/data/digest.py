@@ -15,6 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from dflash_dist.checkpoints.files import file_sha256
+
 log = logging.getLogger(__name__)
 
 _CHUNK = 1 << 24  # elements per update: bounded temporaries whatever the dataset size
@@ -37,8 +39,7 @@ def file_digest(path) -> str:
     """sha256 of a file's bytes, read in chunks (a regeneration's input: its resume key holds it, so an
     edit that keeps the size and mtime is found)."""
     t0 = time.perf_counter()
-    with open(path, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    digest = file_sha256(path)
     log.info("%s: sha256 of %d bytes in %.1fs", path, os.path.getsize(path), time.perf_counter() - t0)
     return digest
 
