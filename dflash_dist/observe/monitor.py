@@ -146,6 +146,19 @@ def format_line(r: dict) -> str:
     return line
 
 
+def device_clock(device: torch.device):
+    """A clock for wait/compute accounting. On CUDA kernels and NCCL waits are asynchronous: the CPU
+    returns before the work is done, so each reading first waits for the current stream; one reading
+    per stage boundary (a handful per step) is what true accounting costs."""
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def now() -> float:
+        torch.cuda.current_stream(device).synchronize()
+        return time.perf_counter()
+    return now
+
+
 def wait_fraction(wait_s: float, compute_s: float) -> float:
     """Share of a role's time spent waiting: the one definition used by monitor, summary and advice."""
     return wait_s / (wait_s + compute_s) if wait_s + compute_s > 0 else 0.0

@@ -32,7 +32,8 @@ from dflash_dist.plan.epochs import BatchPlan, epoch_plan, plan_digest
 from dflash_dist.roles.reporter import evaluates, make_reporter
 from dflash_dist.training.setup import RoleResult, RunSetup
 from dflash_dist.plan.schedule import EpochSchedule, Votes
-from dflash_dist.training.stats import Diverged, StepStats, device_clock
+from dflash_dist.observe.monitor import device_clock
+from dflash_dist.training.stats import Diverged, StepStats
 from dflash_dist.parallel.sharding import make_sharding
 from dflash_dist.training.step import StepBatch, drafter_autocast, drafter_step, step_settings
 from dflash_dist.parallel.stop import StopAgreement

@@ -19,7 +19,7 @@ from dflash_dist.plan.epochs import epoch_plan, plan_digest
 from dflash_dist.training.setup import RoleResult, RunSetup
 from dflash_dist.plan.schedule import EpochSchedule, Votes
 from dflash_dist.observe.monitor import wait_fraction
-from dflash_dist.training.stats import device_clock
+from dflash_dist.observe.monitor import device_clock
 from dflash_dist.parallel.stop import StopAgreement
 from dflash_dist.parallel.transport import PacketSender, packet_spec
 

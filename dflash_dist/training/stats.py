@@ -4,7 +4,6 @@
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -94,16 +93,3 @@ class StepStats:
 
 class Diverged(RuntimeError):
     """Raised alike on every drafter (the decision follows all-reduced values)."""
-
-
-def device_clock(device: torch.device):
-    """A clock for wait/compute accounting. On CUDA kernels and NCCL waits are asynchronous: the CPU
-    returns before the work is done, so each reading first waits for the current stream; one reading
-    per stage boundary (a handful per step) is what true accounting costs."""
-    if device.type != "cuda":
-        return time.perf_counter
-
-    def now() -> float:
-        torch.cuda.current_stream(device).synchronize()
-        return time.perf_counter()
-    return now
