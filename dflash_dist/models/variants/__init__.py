@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dflash_dist.config import ConfigError
-from dflash_dist.models.variants.base import LossChunk, Variant
+from dflash_dist.models.variants.base import LossChunk, Variant, accepted_lengths
 from dflash_dist.models.variants.dflash import DFlash
 from dflash_dist.models.variants.dflash2 import DFlash2
 
@@ -24,4 +24,4 @@ def variant_of_export(cfg: dict) -> Variant:
     return next((v for v in VARIANTS.values() if v.architecture in archs), VARIANTS["dflash"])
 
 
-__all__ = ["VARIANTS", "LossChunk", "Variant", "variant_of", "variant_of_export"]
+__all__ = ["VARIANTS", "LossChunk", "Variant", "accepted_lengths", "variant_of", "variant_of_export"]
