@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from dflash_dist.config import ConfigError, load_config
 from dflash_dist.data.collate import PackedBatch
-from dflash_dist.training.objective import (argmax_block_labels, block_labels, dflash_loss, predictions_from_hidden,
+from oracles import dflash_loss
+from dflash_dist.training.objective import (argmax_block_labels, block_labels, predictions_from_hidden,
                                    soft_block_targets, target_predictions)
 from dflash_dist.parallel.transport import PacketSender, PendingPacket, TargetLabels, target_label_width
 

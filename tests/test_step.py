@@ -5,7 +5,8 @@ import torch
 
 from dflash_dist.data.collate import PackedBatch
 from dflash_dist.models.drafter import DFlashDrafter, DraftSpec
-from dflash_dist.training.objective import anchor_generator, dflash_loss, draw_anchors
+from dflash_dist.training.objective import anchor_generator, draw_anchors
+from oracles import dflash_loss
 from dflash_dist.training.step import batch_targets
 from dflash_dist.parallel.transport import TargetLabels
 

@@ -21,7 +21,6 @@ from functools import partial
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from dflash_dist.data.anchors import anchor_candidates
 from dflash_dist.models.variants.base import accepted_lengths
@@ -136,8 +135,8 @@ def soft_block_targets(top_values: torch.Tensor, top_ids: torch.Tensor, labels: 
 @dataclass
 class StepMetrics:
     """A batch's (or chunk's) metrics. From `lm_head_loss` every field but num_blocks is a tensor on the
-    step's device, so a step reads them to the host once (with its stats), not once per chunk;
-    `dflash_loss`, the plain reference, returns host numbers."""
+    step's device, so a step reads them to the host once (with its stats), not once per chunk (the
+    tests' plain reference loss, tests/oracles.py, returns host numbers)."""
     loss_sum: float | torch.Tensor  # sum of w * ce
     weight_sum: float | torch.Tensor
     correct: torch.Tensor  # (B,) correct predictions per slot
@@ -150,29 +149,6 @@ class StepMetrics:
     unary_accept_sum: float | torch.Tensor | None = None
     selector_loss_sum: float | torch.Tensor | None = None
     topk_hits: torch.Tensor | None = None
-
-
-def dflash_loss(logits, labels, weights, soft=None):
-    """Weighted cross-entropy normalised by the sum of weights, and the metrics of this batch.
-    soft: optional (probs, ids) (A, B, k) from `soft_block_targets`; the cross-entropy is then against
-    that distribution (-sum_i p_i log q(ids_i)), and `labels` (its top-1) serves only the metrics."""
-    A, B, V = logits.shape
-    if soft is None:
-        ce = F.cross_entropy(logits.reshape(-1, V).float(), labels.reshape(-1).clamp(min=0), reduction="none").view(A, B)
-    else:
-        probs, ids = soft
-        logq = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids)
-        ce = -(probs * logq).sum(-1)
-    wsum = weights.sum()
-    loss = (ce * weights).sum() / wsum.clamp(min=1e-9)
-    with torch.no_grad():
-        valid = labels >= 0
-        hit = (logits.argmax(-1) == labels) & valid
-        run = accepted_lengths(hit[:, 1:])
-        m = StepMetrics(loss_sum=float((ce * weights).sum()), weight_sum=float(wsum),
-                        correct=hit.sum(0).cpu(), valid=valid.sum(0).cpu(),
-                        accept_sum=float(run.sum()), num_blocks=A)
-    return loss, m
 
 
 # -- the LM head and loss, a bounded number of rows at a time ------------------------------------------
@@ -273,7 +249,7 @@ def _head_chunk(x, w, labels, wts, soft, pred_out, grad_out, ce_out=None, top_ou
 
 
 def _metrics(pred: torch.Tensor, labels: torch.Tensor, loss_sum: torch.Tensor, weight_sum: torch.Tensor) -> StepMetrics:
-    """The metrics of `dflash_loss` from the predicted tokens (A, B) (any value where labels < 0), left
+    """The metrics of a batch from the predicted tokens (A, B) (any value where labels < 0), left
     on the device."""
     valid = labels >= 0
     hit = (pred == labels) & valid
@@ -285,7 +261,7 @@ def _metrics(pred: torch.Tensor, labels: torch.Tensor, loss_sum: torch.Tensor, w
 def lm_head_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
                  soft: tuple[torch.Tensor, torch.Tensor] | None = None, rows: int = 8192,
                  dpace_alpha: float | None = None, top_k: int = 0):
-    """The frozen LM head and the weighted cross-entropy of `dflash_loss`, never more than `rows` rows x V
+    """The frozen LM head and the weighted cross-entropy of the plain reference (tests/oracles.py), never more than `rows` rows x V
     logits alive at once (forward and backward).
 
     hidden (A, B, H): final-normed drafter states; head_weight (V, H): the target's frozen lm_head.weight;
