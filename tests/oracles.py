@@ -1,6 +1,8 @@
 """The tests' oracles: plain, unchunked references that production code is held to and never carries."""
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -29,3 +31,28 @@ def dflash_loss(logits, labels, weights, soft=None):
                         correct=hit.sum(0).cpu(), valid=valid.sum(0).cpu(),
                         accept_sum=float(run.sum()), num_blocks=A)
     return loss, m
+
+
+class FeatureDrafter:
+    """`evaluation.speculative`'s proposer for a module with the drafter's call signature (an oracle):
+    the raw feature rows of the whole prefix at every step, a zero row for the anchor (never attended)."""
+
+    def __init__(self, drafter, capacity: int = 0):
+        self.drafter, self.feats = drafter, None
+
+    def add(self, feats: torch.Tensor) -> None:
+        self.feats = feats if self.feats is None else torch.cat([self.feats, feats])
+
+    def propose(self, seq: Sequence[int]) -> list[int]:
+        return propose_with_logits(self.drafter, self.feats, seq)
+
+
+@torch.no_grad()
+def propose_with_logits(drafter, features: torch.Tensor, seq: Sequence[int]) -> list[int]:
+    """`evaluation.reference`'s proposer for such a module: the argmax of its logits after the anchor."""
+    anchor, dev = len(seq) - 1, features.device
+    feats = torch.cat([features[:anchor], features.new_zeros(1, features.shape[1])])
+    logits = drafter(feats, torch.tensor(list(seq), dtype=torch.long, device=dev),
+                     torch.tensor([0, anchor + 1], device=dev), torch.arange(anchor + 1, device=dev),
+                     torch.tensor([anchor], device=dev), torch.tensor([0, 1], device=dev))
+    return logits[0, 1:].argmax(-1).tolist()

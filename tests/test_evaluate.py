@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from oracles import FeatureDrafter, propose_with_logits
 from torch import nn
 
 from dflash_dist.config import load_config
@@ -59,11 +60,11 @@ class Oracle(nn.Module):
 PROMPTS = [[3, 17, 42, 99, 5, 8, 60], [11, 2, 2, 7, 90, 31, 44, 12, 19, 64, 1, 77], [120]]
 
 
-def decode(decoder, target, drafter, prompt, n):
-    """(tokens, steps) by either decoder."""
+def decode(decoder, target, oracle, prompt, n):
+    """(tokens, steps) of an oracle by either decoder (the oracle's proposers: tests/oracles.py)."""
     if decoder == "reference":
-        return speculative_generate(target, drafter, prompt, n)
-    out = speculative(target, drafter, prompt, n)
+        return speculative_generate(target, oracle, prompt, n, propose=propose_with_logits)
+    out = speculative(target, oracle, prompt, n, proposer=FeatureDrafter)
     return out.tokens, out.accepted
 
 
@@ -75,7 +76,7 @@ def test_oracle_reaches_block_size(decoder):
         out, acc = decode(decoder, target, oracle, p, 1 + 3 * 8)
         assert out == greedy_generate(target, p, 1 + 3 * 8)
         assert acc == [8, 8, 8]  # B tokens per verify step: B-1 drafted and accepted, plus the bonus
-    r = acceptance_length(target, oracle, PROMPTS, max_new_tokens=30, strict=True)
+    r = acceptance_length(target, oracle, PROMPTS, max_new_tokens=30, strict=True, proposer=FeatureDrafter)
     assert r["tau"] == 8.0 and r["exact"] and r["num_prompts"] == 3
     assert r["accepted_per_position"] == [r["num_steps"]] * 7 and r["histogram"][-1] == 1.0
 
@@ -109,7 +110,7 @@ def test_a_stop_token_ends_the_answer_and_its_step_counts_whole():
     full = greedy_generate(target, PROMPTS[0], 30)
     stop = frozenset({full[10]})
     end = full.index(full[10]) + 1
-    out = speculative(target, oracle, PROMPTS[0], 30, stop)
+    out = speculative(target, oracle, PROMPTS[0], 30, stop, proposer=FeatureDrafter)
     assert out.tokens == full[:end] == target_greedy(target, PROMPTS[0], 30, stop).tokens
     assert sum(out.accepted) >= end and out.accepted[-1] == 8  # the last step accepted its block whole
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -29,6 +30,7 @@ class SpeculativeMismatch(RuntimeError):
 class Options:
     max_new_tokens: int
     strict: bool = False  # a mismatch fails the evaluation instead of being counted
+    proposer: Callable | None = None  # `speculative`'s (None: the drafter's own, ContextDrafter)
 
 
 def decode_answer(target, drafter, prompt: list[int], stop: frozenset, opts: Options, where: str):
@@ -38,7 +40,7 @@ def decode_answer(target, drafter, prompt: list[int], stop: frozenset, opts: Opt
         raise EvalInputError(f"{where}: prompt of {len(prompt):,} tokens >= the target's context of {ctx:,} positions")
     new_tokens = min(opts.max_new_tokens, ctx - len(prompt))
     ref = target_greedy(target, prompt, new_tokens, stop)
-    out = speculative(target, drafter, prompt, new_tokens, stop)
+    out = speculative(target, drafter, prompt, new_tokens, stop, proposer=opts.proposer)
     t = Tally(drafter.spec.block_size, num_turns=1, new_tokens=len(out.tokens), target_s=ref.seconds,
               speculative_s=out.seconds, answer_digests=[answer_digest(out.tokens)])
     t.add_steps(out.accepted)

@@ -10,7 +10,7 @@ from dflash_dist.evaluation.results import Tally
 
 
 def acceptance_length(target, drafter, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                      strict: bool = False) -> dict:
+                      strict: bool = False, proposer=None) -> dict:
     """tau over all verify steps of token-id prompts (fixed length, no stop token), with the check that
     speculative output == the target's greedy output (a mismatch is counted and logged: bf16 can flip a
     near-tie; strict=True raises SpeculativeMismatch instead)."""
@@ -19,7 +19,7 @@ def acceptance_length(target, drafter, prompts: Sequence[Sequence[int]], max_new
     drafter.eval()
     try:
         for i, p in enumerate(prompts):
-            t, _ = decode_answer(target, drafter, list(p), frozenset(), Options(max_new_tokens, strict), f"prompt {i}")
+            t, _ = decode_answer(target, drafter, list(p), frozenset(), Options(max_new_tokens, strict, proposer), f"prompt {i}")
             t.num_prompts = 1
             per_prompt.append(1.0 + sum(t.accepted_per_position) / t.num_steps if t.num_steps else 0.0)
             total.merge(t)

@@ -35,10 +35,7 @@ def propose_block(drafter, features: torch.Tensor, seq: Sequence[int]) -> list[i
     # The anchor's own feature row is never attended (context is strictly before it): zeros fill it.
     feats = torch.cat([features[:anchor], features.new_zeros(1, features.shape[1])])
     ids = torch.tensor(list(seq), dtype=torch.long, device=dev)
-    cu, positions = torch.tensor([0, anchor + 1], device=dev), torch.arange(anchor + 1, device=dev)
-    anchors, anchor_cu = torch.tensor([anchor], device=dev), torch.tensor([0, 1], device=dev)
-    if not hasattr(drafter, "block_tokens"):  # a test's oracle module: logits only
-        return drafter(feats, ids, cu, positions, anchors, anchor_cu)[0, 1:].argmax(-1).tolist()
+    positions, anchors = torch.arange(anchor + 1, device=dev), torch.tensor([anchor], device=dev)
     # The whole forward (context of every row, no cache), then the drafter's own pick of tokens: the
     # unary argmax or DFlash 2's selector walk at temperature 0.
     hidden = drafter.draft_hidden(drafter.context(feats), ids, positions, anchors, torch.zeros_like(anchors))
@@ -46,10 +43,11 @@ def propose_block(drafter, features: torch.Tensor, seq: Sequence[int]) -> list[i
 
 
 @torch.no_grad()
-def speculative_generate(target, drafter, prompt_ids: Sequence[int],
-                         max_new_tokens: int) -> tuple[list[int], list[int]]:
+def speculative_generate(target, drafter, prompt_ids: Sequence[int], max_new_tokens: int,
+                         propose=propose_block) -> tuple[list[int], list[int]]:
     """(max_new_tokens new tokens, accepted length of every verify step). Each step commits between 1
-    and B tokens; the output is cut at max_new_tokens, the step's acceptance is counted whole."""
+    and B tokens; the output is cut at max_new_tokens, the step's acceptance is counted whole.
+    `propose(drafter, features, seq)`: `propose_block` unless given (the tests' oracles bring their own)."""
     layer_ids = list(drafter.spec.target_layer_ids)
     B = drafter.spec.block_size
     seq = [int(t) for t in prompt_ids]
@@ -60,7 +58,7 @@ def speculative_generate(target, drafter, prompt_ids: Sequence[int],
     accepted: list[int] = []
     while len(seq) - len(prompt_ids) < max_new_tokens:
         anchor = len(seq) - 1
-        draft = propose_block(drafter, feats, seq)
+        draft = propose(drafter, feats, seq)
         feats, logits = _run_target(target, seq + draft, layer_ids)
         choice = logits[anchor:anchor + B].argmax(-1).tolist()  # target's token for anchor+1 .. anchor+B
         a = 0

@@ -69,25 +69,6 @@ class ContextDrafter:
         return d.block_tokens(d.norm(x), ids[:, 0])[0].tolist()
 
 
-class FeatureDrafter:
-    """Any module with the drafter's call signature (tests' oracles): it gets the raw feature rows of the
-    whole prefix at every step, with a zero row for the anchor (never attended)."""
-
-    def __init__(self, drafter):
-        self.drafter, self.feats = drafter, None
-
-    def add(self, feats: torch.Tensor) -> None:
-        self.feats = feats if self.feats is None else torch.cat([self.feats, feats])
-
-    def propose(self, seq: Sequence[int]) -> list[int]:
-        anchor, dev = len(seq) - 1, self.feats.device
-        feats = torch.cat([self.feats[:anchor], self.feats.new_zeros(1, self.feats.shape[1])])
-        logits = self.drafter(feats, torch.tensor(list(seq), dtype=torch.long, device=dev),
-                              torch.tensor([0, anchor + 1], device=dev), torch.arange(anchor + 1, device=dev),
-                              torch.tensor([anchor], device=dev), torch.tensor([0, 1], device=dev))
-        return logits[0, 1:].argmax(-1).tolist()
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -122,15 +103,17 @@ def target_greedy(target, prompt: Sequence[int], max_new: int, stop: frozenset =
 
 @torch.no_grad()
 def speculative(target, drafter, prompt: Sequence[int], max_new: int, stop: frozenset = frozenset(),
-                recompute: bool = False) -> Decoded:
+                recompute: bool = False, proposer=None) -> Decoded:
     """Draft-then-verify greedy decoding (module docstring). A step's acceptance counts whole even when
-    the output is cut inside it (at max_new or a stop token), as the serving engines count it."""
+    the output is cut inside it (at max_new or a stop token), as the serving engines count it.
+    `proposer(drafter, capacity)`: what drafts each block (`add(features)`, `propose(seq)`);
+    `ContextDrafter` unless given (the tests' oracles bring their own)."""
     if not prompt:
         raise ValueError("speculative decoding needs a non-empty prompt")
     spec = drafter.spec
     B, dev = spec.block_size, target.embed_tokens.weight.device
     capacity = len(prompt) + max_new + B + 1
-    draft = ContextDrafter(drafter, capacity) if hasattr(drafter, "draft_hidden") else FeatureDrafter(drafter)
+    draft = (proposer or ContextDrafter)(drafter, capacity)
     cache = sequence_cache(target, spec.target_layer_ids, capacity, recompute)
     _sync(dev)
     t0 = time.perf_counter()
