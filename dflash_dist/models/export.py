@@ -10,13 +10,12 @@ exact settings that serve it in SGLang and vLLM (docs/serving.md says why each m
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash_dist.checkpoints.files import AtomicDir, atomic_write
 from dflash_dist.models.drafter import DFlashDrafter, DraftSpec
 from dflash_dist.models.variants import variant_of_export
 
@@ -131,31 +130,21 @@ SGLang reads the block size ({spec.block_size}) from `config.json`; the flag bel
 
 
 def write_model_card(out_dir: Path, spec: DraftSpec, facts: dict | None = None) -> Path:
-    path = Path(out_dir) / "README.md"
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(model_card(spec, facts))
-    os.replace(tmp, path)
-    return path
+    return atomic_write(Path(out_dir) / "README.md", model_card(spec, facts))
 
 
 def export_drafter(spec: DraftSpec, state: dict, out_dir: Path, dtype: torch.dtype = torch.bfloat16,
                    facts: dict | None = None) -> Path:
     """Writes the drafter `state` (a whole state dict) and its model card (`facts`: see `model_card`) to
     out_dir atomically (a temporary directory renamed into place)."""
-    out_dir = Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     cfg = export_config(spec)
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    write_model_card(tmp, spec, facts)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
-    return out_dir
+    with AtomicDir(out_dir, replace=True) as d:
+        (d.tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        save_file(tensors, str(d.tmp / "model.safetensors"), metadata={"format": "pt"})
+        (d.tmp / "README.md").write_text(model_card(spec, facts))
+    return Path(out_dir)
 
 
 def spec_from_export(cfg: dict) -> DraftSpec:
