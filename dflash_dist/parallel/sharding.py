@@ -23,27 +23,29 @@ from torch import nn
 from dflash_dist.parallel.dist import all_reduce_grads, broadcast_params
 
 
-class Replicas:
-    """ddp: every drafter holds the whole drafter; one flat all-reduce of the gradients per step."""
-    kind = "ddp"
+class DrafterSharding:
+    """The interface the training loop calls (module docstring), and what both modes share:
+    `scale_grads` and whole (unsharded) states keyed by parameter name."""
+    kind = ""
     idle_computes = False
-
-    def __init__(self, model: nn.Module, group, src: int):
-        self.model, self.group = model, group
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        broadcast_params(model, group, src)
+    model: nn.Module
+    params: list[nn.Parameter]
 
     def begin_step(self) -> None:
-        pass
+        """Before a step's first anchor chunk."""
+        raise NotImplementedError
 
     def before_last_chunk(self) -> None:
-        pass
-
-    def finish_grads(self, div: int) -> None:
-        all_reduce_grads(self.params, self.group, divisor=div)
+        """Before the step's last anchor chunk (whose backward may reduce the gradients)."""
+        raise NotImplementedError
 
     def loss_scale(self, div: int) -> float:
-        return 1.0
+        """The factor on each batch's loss that makes the reduced gradient the sum over batches / div."""
+        raise NotImplementedError
+
+    def finish_grads(self, div: int) -> None:
+        """After the step's last backward: the gradients reduced over the drafters, / div."""
+        raise NotImplementedError
 
     def scale_grads(self, factor: float) -> None:
         """Every gradient (a local shard under FSDP) times `factor`: the same on every drafter."""
@@ -76,7 +78,30 @@ class Replicas:
         set_optimizer_state_dict(self.model, opt, optim_state, options=options)
 
 
-class Shards(Replicas):
+class Replicas(DrafterSharding):
+    """ddp: every drafter holds the whole drafter; one flat all-reduce of the gradients per step."""
+    kind = "ddp"
+    idle_computes = False
+
+    def __init__(self, model: nn.Module, group, src: int):
+        self.model, self.group = model, group
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        broadcast_params(model, group, src)
+
+    def begin_step(self) -> None:
+        pass
+
+    def before_last_chunk(self) -> None:
+        pass
+
+    def finish_grads(self, div: int) -> None:
+        all_reduce_grads(self.params, self.group, divisor=div)
+
+    def loss_scale(self, div: int) -> float:
+        return 1.0
+
+
+class Shards(DrafterSharding):
     """fsdp: each decoder layer and the rest of the drafter are FSDP2 units over the drafter group.
 
     Parameters stay gathered for the whole step (reshard_after_forward=False and no reshard after the
@@ -116,7 +141,7 @@ class Shards(Replicas):
         pass  # reduce-scattered (and averaged) by the last chunk's backward
 
 
-def make_sharding(kind: str, model: nn.Module, group, device: torch.device, src: int) -> Replicas:
+def make_sharding(kind: str, model: nn.Module, group, device: torch.device, src: int) -> DrafterSharding:
     return Shards(model, group, device) if kind == "fsdp" else Replicas(model, group, src)
 
 
