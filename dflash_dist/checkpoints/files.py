@@ -1,16 +1,20 @@
 """Durable writes: the one atomic file write (atomic_write), the one atomic directory write (AtomicDir) and
 the one temporary-name rule both use (temp_sibling), for every stage that writes (checkpoints, datasets,
-summaries, caches, benchmark results). models/ is below this layer and cannot import it: its writers
-(from_gguf, export) keep their own.
+summaries, caches, benchmark results, from_gguf's and export's model folders). Every file and folder
+they leave gets the mode the umask gives (umask_modes), whatever wrote it: other users' jobs read a shared
+target. An output that exists and is not a regular file (a character device such as /dev/null, a FIFO)
+is written through as it is, never replaced by a regular file (atomic_write, check_output_path).
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
 import os
 import secrets
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
@@ -40,15 +44,18 @@ def atomic_write(path: str | os.PathLike, data: str | bytes | Callable[[BinaryIO
     `data` is text (written as UTF-8), bytes, or a callback that writes into the open binary file (for
     writers that take a file object: torch.save, np.savez, json.dump). The temporary is fsynced before
     the rename and the directory after it, so the new file survives a power cut once this returns; on
-    any failure (the callback's included) the temporary is removed and the old file is left as it was."""
+    any failure (the callback's included) the temporary is removed and the old file is left as it was.
+    A `path` that exists and is not a regular file (/dev/null, a FIFO, /dev/stdout's target) is opened
+    and written as it is: renaming over it would replace the device node or pipe with a file."""
     path = Path(path)
+    if is_special(path):
+        with open(path, "wb") as f:
+            _write(f, data)
+        return path
     tmp = temp_sibling(path)
     try:
-        with open(tmp, "xb") as f:
-            if callable(data):
-                data(f)
-            else:
-                f.write(data.encode("utf-8") if isinstance(data, str) else data)
+        with open(tmp, "xb") as f:  # open's mode is 0o666 less the umask (mkstemp's would be 0600)
+            _write(f, data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -57,6 +64,50 @@ def atomic_write(path: str | os.PathLike, data: str | bytes | Callable[[BinaryIO
         raise
     fsync_dir(path.parent)
     return path
+
+
+def _write(f: BinaryIO, data: str | bytes | Callable[[BinaryIO], object]) -> None:
+    if callable(data):
+        data(f)
+    else:
+        f.write(data.encode("utf-8") if isinstance(data, str) else data)
+
+
+def is_special(path: Path) -> bool:
+    """True when `path` (its symlinks followed) exists and is neither a regular file nor a directory: a
+    character or block device, a FIFO, a socket. Such an output is written through, never renamed over."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
+def current_umask() -> int:
+    """The process's umask, read from /proc (Linux) so that no other thread creates a file under a
+    zeroed umask meanwhile; elsewhere by setting it and setting it back."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def umask_modes(root: Path) -> None:
+    """Give `root` and everything under it the mode the umask gives (0o666 or 0o777 for folders, less the
+    umask). Writers that go through a temporary (mkdtemp, safetensors' save_file) leave 0700/0600, which
+    hides a shared target or export from other users' jobs; symlinks are left alone."""
+    mask = current_umask()
+    os.chmod(root, 0o777 & ~mask)
+    for top, dirs, names in os.walk(root):
+        for name in dirs + names:
+            p = os.path.join(top, name)
+            if not os.path.islink(p):
+                os.chmod(p, (0o777 if name in dirs else 0o666) & ~mask)
 
 
 def sync_tree(root: Path) -> None:
@@ -98,6 +149,7 @@ class AtomicDir:
     def commit(self, synced: bool = False) -> Path:
         """fsync the temporary's files and directories (skipped when `synced`: the caller did it through
         the handles it held), rename it into place, fsync the parent. Returns `path`."""
+        umask_modes(self.tmp)
         if not synced:
             sync_tree(self.tmp)
         old = None
@@ -159,8 +211,11 @@ def check_output_path(path: str | os.PathLike, what: str, make_parents: bool = F
     evaluation or benchmark does not end in a traceback. Writability is probed by creating and removing a
     temporary file in the directory: permission bits say nothing about read-only mounts, an immutable
     (chattr +i) directory or root's bypass of them. `make_parents`: a missing directory is created
-    (check_output_dir) instead of refused."""
+    (check_output_dir) instead of refused. A path that is not a regular file (/dev/null, a FIFO) is
+    checked as it is: atomic_write writes through it, so neither its folder nor a rename matters."""
     path = Path(path)
+    if is_special(path):
+        return check_special(path, what)
     parent = path.parent
     if make_parents and not parent.exists():
         check_output_dir(parent, what)
@@ -179,6 +234,18 @@ def check_output_path(path: str | os.PathLike, what: str, make_parents: bool = F
             open(path, "ab").close()
     except OSError as exc:
         raise OutputPathError(f"{what} {path}: cannot overwrite it: {exc.strerror or exc}") from exc
+    return path
+
+
+def check_special(path: Path, what: str) -> Path:
+    """`path`, a device or FIFO, once it opens for writing; else OutputPathError. Non-blocking, so a FIFO
+    with no reader yet does not hang the start-up check (ENXIO says only that none is there yet: the
+    write waits for one, as writing to a pipe does)."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError as exc:
+        if exc.errno != errno.ENXIO:
+            raise OutputPathError(f"{what} {path}: cannot write to it: {exc.strerror or exc}") from exc
     return path
 
 

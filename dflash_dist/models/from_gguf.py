@@ -26,6 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from dflash_dist.checkpoints.files import umask_modes
 from dflash_dist.exits import EXIT_BAD_INPUT
 
 log = logging.getLogger(__name__)
@@ -157,12 +158,6 @@ def fill_generation_config(model, tokenizer) -> None:
             setattr(gen, key, value)
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def _same_source(marker: dict | None, source: dict) -> bool:
     return marker is not None and {k: marker.get(k) for k in source} == source
 
@@ -187,10 +182,11 @@ def convert(gguf_file: Path, out_dir: Path, force: bool = False) -> Path:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would hide the target from other users' jobs
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / MARKER).write_text(json.dumps({"source": str(gguf_file.resolve()), **source}, indent=1) + "\n")
+        # mkdtemp's 0700 and safetensors' 0600 would hide the shared target from other users' jobs
+        umask_modes(tmp)
         if out_dir.exists():  # --force: the old conversion goes only once the new one is complete
             shutil.rmtree(out_dir)
         os.rename(tmp, out_dir)
