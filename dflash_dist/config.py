@@ -367,6 +367,18 @@ def validate(cfg: Config) -> None:
     t = cfg.model.target
     if t.num_heads % t.num_kv_heads:
         raise ConfigError("config key 'model.target.num_kv_heads': must divide model.target.num_heads")
+    _check_conv_taps(cfg)
+
+
+def _check_conv_taps(cfg: Config) -> None:
+    """DFlash 2's convolution reads rows of one block only (models/dflash2.py grouped_conv); with more taps
+    than block_size + 1 the shifted block no longer lines up with it (a RuntimeError in the first step;
+    block_size + 1 taps still run, the taps past block_size reading only zeros). Checked here, not in
+    DFlash2.check: that sees the draft's keys only, and the block size is objective.block_size."""
+    k, b = cfg.model.draft.conv_kernel_size, cfg.objective.block_size
+    if cfg.model.draft.variant == "dflash2" and k > b + 1:
+        raise ConfigError(f"config key 'model.draft.conv_kernel_size': {k} exceeds objective.block_size + 1 "
+                          f"({b} + 1): the convolution's taps read rows of one block only")
 
 
 def _check_liveness(d: "DistConfig") -> None:
