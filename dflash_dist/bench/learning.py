@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from dflash_dist.bench.jobs import write_json
-from dflash_dist.config import load_config
+from dflash_dist.checkpoints.files import atomic_write, check_output_path
+from dflash_dist.config import load_config, ranged
 from dflash_dist.data.collate import collate
 from dflash_dist.data.dataset import TokenDataset
 from dflash_dist.data.disk import open_dataset
@@ -78,8 +79,9 @@ def feature_key(data: Path, target_cfg, layer_ids) -> str:
 @torch.no_grad()
 def capture_all(target, ds, layer_ids, cache: Path, tokens_per_call: int = 2048) -> list[torch.Tensor]:
     """Per-sample features (len_i, n_layers * H), bfloat16 (the transfer dtype of a GPU run), cached."""
-    if cache.is_file():
-        return torch.load(cache)
+    feats = load_cached(cache, ds.lengths)
+    if feats is not None:
+        return feats
     feats, t0, i = [], time.time(), 0
     lengths = ds.lengths
     while i < len(ds):
@@ -92,9 +94,30 @@ def capture_all(target, ds, layer_ids, cache: Path, tokens_per_call: int = 2048)
         feats.extend(f.to(torch.bfloat16).split(lengths[i:j].tolist()))
         i = j
         log.info("features: %d/%d samples (%.0f s)", i, len(ds), time.time() - t0)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(feats, cache)
+    try:  # atomically: a full disk or a kill leaves no cut file under the final name
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(cache, lambda f: torch.save(feats, f))
+    except OSError as exc:  # the features are in memory: the benchmark goes on, uncached
+        log.warning("features not cached in %s: %s", cache, exc.strerror or exc)
     return feats
+
+
+def load_cached(cache: Path, lengths) -> list[torch.Tensor] | None:
+    """The cached features, or None (to be captured again) when there are none or the file is damaged:
+    cut, not a torch file, or not one tensor per sample of the right length. A cache written before
+    writes were atomic may be a full disk's cut file, and loading it would fail every rerun."""
+    if not cache.is_file():
+        return None
+    try:
+        feats = torch.load(cache, weights_only=True)
+        if isinstance(feats, list) and len(feats) == len(lengths) and all(
+                isinstance(f, torch.Tensor) and f.dim() == 2 and f.shape[0] == n for f, n in zip(feats, lengths)):
+            return feats
+        why = "not one feature tensor per sample of its length"
+    except Exception as exc:  # torch.load's errors for a damaged file are of many types (zip, pickle, EOF)
+        why = f"{type(exc).__name__}: {exc}"
+    log.warning("feature cache %s is damaged (%s): captured again", cache, why)
+    return None
 
 
 def batch_features(feats, base: int, idx: np.ndarray) -> torch.Tensor:
@@ -159,49 +182,48 @@ def acceptance(model, ds, feats, base: int, num_anchors: int, seed: int, seqs: i
     return dict(tau=accept / max(blocks, 1), acc=acc, recall_top_k=recall, top_k=K, blocks=blocks)
 
 
-def main(argv=None) -> None:
+def sizes_flag(text: str) -> list[int]:
+    """--sizes: comma-separated sample counts, each a whole number >= 1 (argparse's exit 2 otherwise)."""
+    one = ranged(int, ge=1)
+    return [one(x) for x in text.split(",")]
+
+
+def parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/smollm2_135m.yaml")
     p.add_argument("--data", required=True, help="a prepared dataset (data.prepare) of target-regenerated replies")
-    p.add_argument("--heldout", type=int, default=40, help="the dataset's last N samples, never trained on")
-    p.add_argument("--sizes", default="", help="training samples, comma-separated (default: all but the held-out)")
-    p.add_argument("--epochs", type=int, default=0, help="0: train.epochs of the config")
+    p.add_argument("--heldout", type=ranged(int, ge=1), default=40, help="the dataset's last N samples, never trained on")
+    p.add_argument("--sizes", type=sizes_flag, default=None,
+                   help="training samples, comma-separated (default: all but the held-out)")
+    p.add_argument("--epochs", type=ranged(int, ge=0), default=0, help="0: train.epochs of the config")
     p.add_argument("--variants", default="dflash", help=f"comma-separated, of {', '.join(VARIANTS)}")
-    p.add_argument("--eval-anchors", type=int, default=16, help="held-out anchors per sample (seeded)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--eval-anchors", type=ranged(int, ge=1), default=16, help="held-out anchors per sample (seeded)")
+    p.add_argument("--threads", type=ranged(int, ge=0), default=0, help="torch threads (0: torch's default)")
     p.add_argument("--json", default="")
     p.add_argument("overrides", nargs="*", help="config overrides key=value")
     a = p.parse_intermixed_args(argv)  # overrides may come before or after the flags
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if a.threads:
-        torch.set_num_threads(a.threads)
     bad = [v for v in a.variants.split(",") if v not in VARIANTS]
     if bad:
         p.error(f"--variants: {bad} not of {list(VARIANTS)}")
-    base_cfg = load_config(a.config, a.overrides)
-    data = Path(a.data)
-    ds = open_dataset(data)
-    if not 0 < a.heldout < len(ds):
-        p.error(f"--heldout {a.heldout}: the dataset {data} has {len(ds)} samples")
-    pool = len(ds) - a.heldout
-    sizes = [int(x) for x in a.sizes.split(",")] if a.sizes else [pool]
-    if any(not 0 < n <= pool for n in sizes):
-        p.error(f"--sizes {sizes}: each must be in [1, {pool}] (the samples before the held-out {a.heldout})")
-    epochs = a.epochs or base_cfg.train.epochs
-    dev = torch.device("cpu")
-    target = build_target(base_cfg, dev)
-    layer_ids = draft_spec(base_cfg, target).target_layer_ids
-    cache = Path(base_cfg.data.cache_dir) / f"learning-features-{feature_key(data, base_cfg.model.target, layer_ids)}.pt"
-    feats = capture_all(target, ds, layer_ids, cache)
-    held = subset(ds, pool, len(ds))
-    rows = []
-    for n in sizes:
-        for v in a.variants.split(","):
-            cfg = load_config(a.config, [*a.overrides, *VARIANTS[v]])
-            r = train(cfg, target, subset(ds, 0, n), feats, epochs)
-            ev = acceptance(r.pop("model"), held, feats, pool, a.eval_anchors, seed=12345)
-            rows.append(dict(variant=v, samples=n, epochs=epochs, **r, **ev))
-            log.info("%s on %d samples: tau~ %.3f", v, n, ev["tau"])
+    try:  # before any capture or training: a bad path or key is bad input (exit 2), not a late traceback
+        if a.json:
+            check_output_path(a.json, "--json", make_parents=True)
+        a.base_cfg = load_config(a.config, a.overrides)
+        # every variant's config now, so that a key one of them refuses stops no run half done
+        a.cfgs = {v: load_config(a.config, [*a.overrides, *VARIANTS[v]]) for v in a.variants.split(",")}
+        a.ds = open_dataset(Path(a.data))
+    except (ValueError, OSError) as exc:  # ConfigError, OutputPathError, DatasetError are ValueErrors
+        p.error(str(exc))
+    if not a.heldout < len(a.ds):
+        p.error(f"--heldout {a.heldout}: the dataset {a.data} has {len(a.ds)} samples")
+    pool = len(a.ds) - a.heldout
+    a.sizes = a.sizes or [pool]
+    if any(n > pool for n in a.sizes):
+        p.error(f"--sizes {a.sizes}: each must be in [1, {pool}] (the samples before the held-out {a.heldout})")
+    return p, a
+
+
+def print_table(rows: list[dict], a, data: Path) -> None:
     print(f"\nheld-out tau~ (teacher-forced acceptance, {rows[0]['blocks']} blocks of {a.heldout} samples), {data}:")
     ref = {r["samples"]: r for r in rows if r["variant"] == rows[0]["variant"]}
     head = f"{'variant':<15}{'samples':>8}{'steps':>7}{'step s':>8}{'x step':>8}{'loss':>8}{'tau~':>8}{'x tau':>7}"
@@ -214,9 +236,31 @@ def main(argv=None) -> None:
               f"{r['loss']:>8.3f}{r['tau']:>8.3f}{r['tau'] / base['tau']:>7.2f}"
               + "".join(f"{r['acc'][k]:>8.3f}" for k in slots)
               + "".join(f"{r['recall_top_k'][k]:>9.3f}" for k in (1, min(4, len(r['acc']) - 1))))
+
+
+def main(argv=None) -> None:
+    _, a = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    base_cfg, ds, data = a.base_cfg, a.ds, Path(a.data)
+    pool = len(ds) - a.heldout
+    epochs = a.epochs or base_cfg.train.epochs
+    target = build_target(base_cfg, torch.device("cpu"))
+    layer_ids = draft_spec(base_cfg, target).target_layer_ids
+    cache = Path(base_cfg.data.cache_dir) / f"learning-features-{feature_key(data, base_cfg.model.target, layer_ids)}.pt"
+    feats = capture_all(target, ds, layer_ids, cache)
+    held = subset(ds, pool, len(ds))
+    rows = []
+    for n in a.sizes:
+        for v in a.variants.split(","):
+            r = train(a.cfgs[v], target, subset(ds, 0, n), feats, epochs)
+            ev = acceptance(r.pop("model"), held, feats, pool, a.eval_anchors, seed=12345)
+            rows.append(dict(variant=v, samples=n, epochs=epochs, **r, **ev))
+            log.info("%s on %d samples: tau~ %.3f", v, n, ev["tau"])
+    print_table(rows, a, data)
     if a.json:
         write_json(a.json, dict(data=str(data), heldout=a.heldout, config=a.config, overrides=a.overrides, rows=rows))
-
 
 if __name__ == "__main__":
     main()
