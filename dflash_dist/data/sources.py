@@ -24,6 +24,7 @@ import importlib.util
 import json
 import logging
 import random
+import re
 import sys
 from collections import Counter
 from pathlib import Path
@@ -81,6 +82,16 @@ def json_array_records(text: str, source: str, skips: Counter) -> Iterator[tuple
             return
         try:
             value, pos = decoder.raw_decode(text, pos)
+        except RecursionError:  # nested deeper than the decoder's stack: skipped past its end, counted
+            end = _value_end(text, pos)
+            if end is None:
+                skips["cut_off_at_end"] += 1
+                return
+            log.warning("%s:%d: record %d skipped (nested too deeply to decode)", source,
+                        text.count("\n", 0, pos) + 1, index)
+            skips["nested_too_deep"] += 1
+            pos, index = end, index + 1
+            continue
         except json.JSONDecodeError as exc:
             if _cut_off(text, exc):
                 skips["cut_off_at_end"] += 1
@@ -90,6 +101,24 @@ def json_array_records(text: str, source: str, skips: Counter) -> Iterator[tuple
             raise SourceError(f"{source}:{exc.lineno}: record {index} is not valid JSON: {exc.msg}") from None
         yield index, value
         index += 1
+
+
+_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')  # a whole string (escapes in it), or a bracket
+
+
+def _value_end(text: str, pos: int) -> int | None:
+    """The end of the array or object starting at `pos`, found by counting brackets outside strings
+    (no recursion, so any depth); None when the file ends first (a cut)."""
+    depth = 0
+    for m in _TOKEN.finditer(text, pos):
+        c = m.group()
+        if c in "[{":
+            depth += 1
+        elif c in "]}":
+            depth -= 1
+            if depth == 0:
+                return m.end()
+    return None
 
 
 def _cut_off(text: str, exc: json.JSONDecodeError) -> bool:
@@ -115,6 +144,8 @@ def usable(record: object, turns: int, max_chars: int) -> list[dict]:
         raise Skip("not_user_first", "the conversation does not open with a human turn")
     kept, users = [], 0
     for m in messages:
+        if m["role"] == "system":  # one only opens a chat: mid-way no side of the two-sided slice takes it
+            raise Skip("system_not_first", "a system turn after the first human turn")
         if m["role"] == "user":
             if users == turns:
                 break
@@ -173,10 +204,16 @@ def split(groups: dict[str, list], n_train: int, n_heldout: int, seed: int, skip
 
 
 def read_humaneval(path: Path, skips: Counter) -> list[list[str]]:
+    """Every problem's turns; a line that is not UTF-8, or a file with no problem (an empty gzip), is a
+    SourceError naming it: the benchmark would silently lose problems, or be none."""
     out = []
     try:
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            for k, line in enumerate(f, start=1):
+        with gzip.open(path, "rb") as f:
+            for k, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise SourceError(f"{path}:{k}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
                 if not line.strip():
                     continue
                 try:
@@ -186,6 +223,8 @@ def read_humaneval(path: Path, skips: Counter) -> list[list[str]]:
                     skips["humaneval_bad_line"] += 1
     except (OSError, EOFError) as exc:
         raise SourceError(f"{path}: cannot read ({exc})") from None
+    if not out:
+        raise SourceError(f"{path}: no HumanEval problem in it ({skips['humaneval_bad_line']} unusable lines)")
     return out
 
 
