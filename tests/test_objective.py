@@ -6,7 +6,8 @@ import torch
 
 from dflash_dist.data.collate import position_ids
 from dflash_dist.models.drafter import DFlashDrafter, DraftSpec
-from dflash_dist.training.objective import anchor_generator, block_labels, dflash_loss, draw_anchors
+from dflash_dist.training.objective import anchor_generator, block_labels, draw_anchors
+from oracles import dflash_loss
 
 B = 8
 SPEC = DraftSpec(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
