@@ -48,7 +48,8 @@ import numpy as np
 
 from dflash_dist.config import Config
 from dflash_dist.forecast.memory import SDPA_GROUP, BatchShape, Precision, Sharding, draft_param_count
-from dflash_dist.forecast.shapes import ModelShapes, layout_problem
+from dflash_dist.forecast.shapes import ModelShapes
+from dflash_dist.parallel.topology import candidate_splits  # the one split search (C.candidate_splits for callers)
 
 log = logging.getLogger(__name__)
 
@@ -380,12 +381,6 @@ def lockstep_seconds(per_batch: Sequence[float], drafters: int, seed: int = 0) -
         return float(t.mean())
     draws = np.random.default_rng(seed).integers(0, len(t), size=(LOCKSTEP_DRAWS, drafters))
     return float(t[draws].max(axis=1).mean())
-
-
-def candidate_splits(gpus_per_node: int, tp: int) -> list[int]:
-    """drafters_per_node values topology.Layout accepts (its own check): at least one drafter and one
-    target replica, the target ranks a multiple of tensor_parallel."""
-    return [d for d in range(1, gpus_per_node) if layout_problem(gpus_per_node, d, tp) is None]
 
 
 @dataclass

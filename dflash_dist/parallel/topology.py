@@ -172,3 +172,19 @@ class Layout:
     def tail(self, num_batches: int, origin: int = 0) -> int:
         """Drafters idle in the last step of an epoch (0 when the batches left are a multiple of D)."""
         return (origin - num_batches) % self.num_drafters
+
+
+def candidate_splits(ranks_per_node: int, tensor_parallel: int = 1) -> list[int]:
+    """The one split search: the drafters_per_node values Layout accepts on nodes of `ranks_per_node` ranks
+    (at least one drafter and one whole target replica, the target ranks a multiple of tensor_parallel).
+    Layout's own check decides, so neither the forecast (forecast.cost) nor the end-of-run advice
+    (observe.balance, handed these by its caller: it sits below this layer) offers a split train refuses."""
+    return [d for d in range(1, ranks_per_node) if _accepted(ranks_per_node, d, tensor_parallel)]
+
+
+def _accepted(ranks_per_node: int, drafters_per_node: int, tensor_parallel: int) -> bool:
+    try:  # one node is enough: every node has the same layout
+        Layout(ranks_per_node, ranks_per_node, drafters_per_node, tensor_parallel=tensor_parallel)
+    except TopologyError:
+        return False
+    return True

@@ -26,6 +26,7 @@ from dflash_dist.plan.epochs import BatchPlan, plan_shape
 from dflash_dist.training.setup import RunSetup
 from dflash_dist.plan.schedule import EpochSchedule
 from dflash_dist.observe.monitor import wait_fraction
+from dflash_dist.parallel.topology import candidate_splits
 from dflash_dist.training.stats import StepStats
 from dflash_dist.training.state import History, Totals, TrainState
 
@@ -276,7 +277,8 @@ class Reporter(NullReporter):
         if not lay.colocated:
             summary["balance"] = balance_advice(tc, dc, t.batches, lay.local_world_size, lay.drafters_per_node,
                                                 summary["wait_targets"], summary["wait_drafters"],
-                                                predicted=self.predicted)
+                                                predicted=self.predicted, tensor_parallel=lay.tensor_parallel,
+                                                splits=candidate_splits(lay.local_world_size, lay.tensor_parallel))
             log.info("%s", format_advice(summary["balance"]))
         if exported is not None:  # the card as exported lacked the tau measured since
             write_model_card(exported, run.spec, self.card_facts(tau_trained))
