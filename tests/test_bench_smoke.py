@@ -109,8 +109,10 @@ def test_gpu_check_without_cuda_says_so(capsys):
 
 def test_gpu_check_flop_count():
     """Qwen3-8B: ~0.19 G weights per layer, so 2 FLOPs per weight per token dominates at short lengths."""
-    tc = gpu_check.QWEN3_8B
+    from dflash_dist.forecast.cost import target_forward_flops  # the count the GPU check's MFU uses
+    from dflash_dist.forecast.shapes import model_shapes
+    shapes = model_shapes(gpu_check.reference_config(dry=False))
     per_layer_weights = 4096 * (32 + 2 * 8) * 128 + 32 * 128 * 4096 + 3 * 4096 * 12288
     assert per_layer_weights == 192_937_984
-    assert gpu_check.target_flops(tc, [1], 1) == 2 * per_layer_weights + 4 * 32 * 128
-    assert gpu_check.target_flops(tc, [3, 2], 36) == 36 * (2 * per_layer_weights * 5 + 4 * 32 * 128 * (6 + 3))
+    assert sum(target_forward_flops(shapes, [1], 1)) == 2 * per_layer_weights + 4 * 32 * 128
+    assert sum(target_forward_flops(shapes, [3, 2], 36)) == 36 * (2 * per_layer_weights * 5 + 4 * 32 * 128 * (6 + 3))

@@ -297,15 +297,6 @@ def section_drafter(rep: Report, dry: bool, deadline: float) -> None:
 
 # -- target -----------------------------------------------------------------------------------------
 
-def target_flops(tc: TargetConfig, lengths: list[int], layers: int) -> float:
-    """Forward FLOPs of `layers` decoder layers: 2 per weight per token, plus causal attention scores
-    and values (2 matmuls, 2 FLOPs per multiply-add, over l(l+1)/2 pairs per sequence and head)."""
-    h, hk, d, H, I = tc.num_heads, tc.num_kv_heads, tc.head_dim, tc.hidden_size, tc.intermediate_size
-    weights = H * (h + 2 * hk) * d + h * d * H + 3 * H * I
-    pairs = sum(l * (l + 1) // 2 for l in lengths)
-    return layers * (2 * weights * sum(lengths) + 4 * h * d * pairs)
-
-
 def peak_tflops(dev: torch.device) -> float | None:
     import torch
 
@@ -336,6 +327,8 @@ def section_target(rep: Report, dry: bool, deadline: float) -> None:
     from dflash_dist.bench.common import sync, timed
     from dflash_dist.data.collate import position_ids
     from dflash_dist.models import attention as attn
+    from dflash_dist.forecast.cost import target_forward_flops
+    from dflash_dist.forecast.shapes import model_shapes
     from dflash_dist.models.hf_target import HFTarget, _dtype_kwarg
 
     dev, cfg = device(dry), reference_config(dry)
@@ -372,7 +365,7 @@ def section_target(rep: Report, dry: bool, deadline: float) -> None:
     reset_peak(dev)
     sec = timed(lambda: capture(ids), 2, 0, dev)
     layers = max(layer_ids) + 1  # capture stops after the last captured layer
-    flops = target_flops(t, lengths, layers)
+    flops = sum(target_forward_flops(model_shapes(cfg), lengths, layers))  # the forecast's count
     peak = peak_tflops(dev)
     rep.add("capture s", sec, f"{layers} layers; median of 2")
     report_time(rep, "capture", sec, cfg, "target", dev, lengths)

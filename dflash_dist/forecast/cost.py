@@ -47,8 +47,10 @@ from typing import Sequence
 import numpy as np
 
 from dflash_dist.config import Config
+from dflash_dist.data.anchors import anchors_per_sample
 from dflash_dist.forecast.memory import SDPA_GROUP, BatchShape, Precision, Sharding, draft_param_count
 from dflash_dist.forecast.shapes import ModelShapes
+from dflash_dist.parallel.transport import target_label_width
 from dflash_dist.parallel.topology import candidate_splits  # the one split search (C.candidate_splits for callers)
 
 log = logging.getLogger(__name__)
@@ -149,7 +151,6 @@ def expected_anchor_pos(lengths: np.ndarray, anchorable: np.ndarray, anchors: np
 
 def plan_shape(plan, b: int, lengths: np.ndarray, anchorable: np.ndarray, num_anchors: int) -> BatchShape:
     """Batch `b` of `plan` as the memory model describes a batch, with expected anchor positions."""
-    from dflash_dist.plan.epochs import anchors_per_sample
     idx = plan.batch(b)
     lens, cand = np.asarray(lengths)[idx], np.asarray(anchorable)[idx]
     anch = anchors_per_sample(cand, num_anchors)
@@ -214,6 +215,18 @@ def _target_layer_macs(s: ModelShapes, sparse: bool) -> float:
     return attn + 3 * H * s.intermediate
 
 
+def target_forward_flops(s: ModelShapes, seq_lens, last: int) -> tuple[float, float]:
+    """(matmul FLOPs, causal attention FLOPs) of the target's first `last` layers over sequences of these
+    lengths: 2 per multiply-add of the layers' weights per token; scores and values, 2 matmuls of 2 FLOPs
+    per multiply-add over l(l+1)/2 (query, key) pairs per sequence and head. The forecast and the GPU
+    check's MFU both count with this."""
+    lens = np.asarray(seq_lens, dtype=np.float64)
+    sparse = sum(1 for i in s.sparse_layers if i < last)
+    macs = (last - sparse) * _target_layer_macs(s, False) + sparse * _target_layer_macs(s, True)
+    pairs = float((lens * (lens + 1) / 2).sum())
+    return 2 * float(lens.sum()) * macs, 4 * s.heads * s.head_dim * pairs * last
+
+
 def _target_layer_bytes(s: ModelShapes, sparse: bool, c: int, tp: int) -> float:
     """Element-wise bytes per token of one target layer: two norms, two residual adds, RoPE over q and k,
     silu(gate) * up (a sparse layer: its experts' and the gather/scatter of its k copies of the token)."""
@@ -228,14 +241,12 @@ def target_terms(s: ModelShapes, p: Precision, cfg: Config, w: BatchShape, shard
     distill = cfg.objective.labels != "data"
     last = s.layers if distill else max(s.feature_layers) + 1  # capture stops after the last captured layer
     sparse = sum(1 for i in s.sparse_layers if i < last)
-    macs = (last - sparse) * _target_layer_macs(s, False) + sparse * _target_layer_macs(s, True)
     elem = (last - sparse) * _target_layer_bytes(s, False, c, tp) + sparse * _target_layer_bytes(s, True, c, tp)
-    lens = np.asarray(w.seq_lens or (N,), dtype=np.float64)
-    pairs = float((lens * (lens + 1) / 2).sum())  # causal (query, key) pairs
-    width = {"data": 0, "target_argmax": 1, "target_soft": cfg.objective.soft_top_k}[cfg.objective.labels]
+    matmul, attention = target_forward_flops(s, w.seq_lens or (N,), last)
+    width = target_label_width(cfg.objective.labels, cfg.objective.soft_top_k)
     t = {
-        "layers": Term("matmul", 2 * N * macs / tp),
-        "attention": Term("causal_attention", 4 * s.heads * s.head_dim * pairs * last / tp),
+        "layers": Term("matmul", matmul / tp),
+        "attention": Term("causal_attention", attention / tp),
         "elementwise": Term("memory", N * elem),
         "send": Term("link", N * (len(s.feature_layers) * s.hidden * p.transfer_bytes + 8 * width)),
     }
@@ -342,7 +353,6 @@ def sample_plans(cfg: Config, plans, lengths, anchorable, n: int = 256, source: 
                  batches: int | None = None) -> PlanSample:
     """`PlanSample` of plans already built (the run's own, or those of `plan_sample_for`); `batches`: the
     run's batch count when `plans` are not all of its epochs."""
-    from dflash_dist.plan.epochs import anchors_per_sample
     lengths, anchorable = np.asarray(lengths), np.asarray(anchorable)
     anch = anchors_per_sample(anchorable, cfg.objective.num_anchors)
     first = plans[0]
