@@ -1,6 +1,12 @@
+"""Shared by the three tiers (tests/unit, tests/integration, tests/system): the support modules in
+tests/support (helpers, fixtures, oracles) are importable by name from any test."""
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 
 @pytest.fixture(autouse=True)
@@ -27,3 +33,14 @@ def smollm2_target():
 
     cache = Path(os.environ.get("DFLASH_TARGET_CACHE", Path.home() / ".cache" / "dflash_dist" / "targets"))
     return convert(packaged_smollm2(), cache / f"smollm2-135m-instruct-v{FORMAT}")
+
+
+@pytest.fixture
+def wandb_env(tmp_path, monkeypatch):
+    """wandb confined to tmp_path, with no WANDB_MODE of the caller's shell."""
+    for k in ("WANDB_MODE", "WANDB_BASE_URL", "WANDB_API_KEY", "WANDB_DISABLED"):
+        monkeypatch.delenv(k, raising=False)
+    for k in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(k, str(tmp_path / "wandb-home" / k.lower()))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    return monkeypatch

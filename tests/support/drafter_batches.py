@@ -1,0 +1,79 @@
+"""A tiny drafter and three packed batches of unequal size (and unequal weight sums), for the tests that
+hold D drafters' step (real gloo processes, DDP and FSDP2) to one process's step on the merged batch:
+objective.loss_norm=step and D-PACE's position weights."""
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+import helpers
+from dflash_dist.bench.transport import free_port
+from dflash_dist.data.collate import PackedBatch
+from dflash_dist.models.drafter import DFlashDrafter, DraftSpec
+from dflash_dist.training.objective import anchor_generator, draw_anchors
+
+B, V, H = 4, 48, 32
+SPEC = DraftSpec(vocab_size=V, hidden_size=H, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                 head_dim=8, rope_theta=10000.0, rms_eps=1e-6, block_size=B, mask_token_id=V - 1,
+                 target_layer_ids=(0, 1), num_target_layers=3)
+ALPHA = 0.5  # D-PACE's alpha, the paper's
+LENGTHS = ([23, 9, 31], [6, 40], [12])  # three batches of unequal size (and unequal weight sums)
+
+
+def make_model():
+    torch.manual_seed(0)
+    model = DFlashDrafter(SPEC)
+    model.attach_target_head(torch.nn.Embedding(V, H), torch.nn.Linear(H, V, bias=False))
+    return model
+
+
+def make_batch(i: int):
+    gen = torch.Generator().manual_seed(100 + i)
+    lens = LENGTHS[i]
+    n = sum(lens)
+    cu = torch.tensor([0] + lens).cumsum(0)
+    data = PackedBatch(torch.randint(0, V - 1, (n,), generator=gen), torch.rand(n, generator=gen) > 0.3, cu)
+    anchors, anchor_cu = draw_anchors(data.loss_mask, cu, 5, anchor_generator(0, 0, i))
+    return data, torch.randn(n, 2 * H, generator=gen), anchors, anchor_cu
+
+
+def merged(batches):
+    """One packed batch holding every batch's sequences, features and anchors."""
+    shift, cu, anchors, acu = 0, [torch.zeros(1, dtype=torch.long)], [], [torch.zeros(1, dtype=torch.long)]
+    for data, _, a, a_cu in batches:
+        cu.append(data.cu_seqlens[1:] + shift)
+        anchors.append(a + shift)
+        acu.append(a_cu[1:] + acu[-1][-1])
+        shift += data.num_tokens
+    data = PackedBatch(torch.cat([b[0].input_ids for b in batches]), torch.cat([b[0].loss_mask for b in batches]),
+                       torch.cat(cu))
+    return data, torch.cat([b[1] for b in batches]), torch.cat(anchors), torch.cat(acu)
+
+
+def reference_grads(num_batches: int, **objective) -> dict:
+    """The gradient of one process's plain step on the merged batch (its own batch mean), under `objective`."""
+    model = make_model()
+    data, feats, anchors, acu = merged([make_batch(i) for i in range(num_batches)])
+    helpers.train_step(model, data, feats, None, anchors, acu, gamma=3.0, **objective)
+    return {k: p.grad for k, p in model.named_parameters()}
+
+
+def assert_drafters_give(worker, want: dict, tmp_path, world: int, args: tuple, deadline_s: float) -> None:
+    """`world` spawned ranks run worker(rank, world, port, *args, out); rank 0 saves the step's gradients to
+    `out`, which must equal `want`. One deadline for all ranks; stragglers are killed, never awaited."""
+    out, port = tmp_path / "grads.pt", free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=worker, args=(r, world, port, *args, str(out))) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + deadline_s
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive and all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    got = torch.load(out)
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)

@@ -1,0 +1,227 @@
+"""Shared test helpers: run the real entry point under torchrun with a hard timeout."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import subprocess
+import tempfile
+import sys
+from pathlib import Path
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+# A small, fast job: every multi-process test starts from this and adds its own overrides.
+TINY = [
+    "wandb.mode=disabled", "monitor.interval_s=0.2", "train.epochs=3", "data.synthetic.num_samples=160",
+    "data.synthetic.min_len=20", "data.synthetic.max_len=120", "plan.token_budget=1024", "plan.max_seqs=16",
+    "objective.num_anchors=4", "dist.timeout_s=60", "train.eval_prompts=0",
+    # Regenerated corpora are deterministic: one cache for the whole test session.
+    f"data.cache_dir={Path(tempfile.gettempdir()) / 'dflash_dist_test_cache'}",
+]
+
+
+def torchrun(nproc: int, overrides: list[str], run_dir: Path, timeout: float = 150, env: dict | None = None):
+    e = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    return subprocess.run(torchrun_cmd(nproc, overrides, run_dir), capture_output=True, text=True, timeout=timeout,
+                          env=e)
+
+
+def epoch_lines(log: str) -> dict[int, list[tuple[int, str]]]:
+    """rank -> [(batches, plan digest)] per epoch, from 'epoch E: N batches (plan D)' lines."""
+    out: dict[int, list[tuple[int, str]]] = {}
+    for m in re.finditer(r"\[rank(\d+) \w+\] \S+: epoch (\d+): (\d+) batches \(plan (\w+)\)", log):
+        out.setdefault(int(m.group(1)), []).append((int(m.group(3)), m.group(4)))
+    return out
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def torchrun_cmd(nproc: int, overrides: list[str], run_dir: Path) -> list[str]:
+    return TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", "-m", "dflash_dist.train",
+                       *TINY, f"train.run_dir={run_dir}", *overrides]
+
+
+def start_torchrun(nproc: int, overrides: list[str], run_dir: Path, log_path: Path,
+                   env: dict | None = None) -> subprocess.Popen:
+    e = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    f = open(log_path, "w")
+    return subprocess.Popen(torchrun_cmd(nproc, overrides, run_dir), stdout=f, stderr=subprocess.STDOUT, env=e)
+
+
+def wait_for(pred, timeout: float, what: str, poll: float = 0.1):
+    import time
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def progress_step(run_dir: Path) -> int:
+    try:
+        recs = metrics(run_dir)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return 0
+    return max((r.get("step", 0) for r in recs), default=0)
+
+
+def worker_pids(agent_pid: int) -> dict[int, int]:
+    """rank -> pid of the workers of a torchrun agent."""
+    import psutil
+    out = {}
+    for c in psutil.Process(agent_pid).children(recursive=True):
+        try:
+            env = c.environ()
+        except psutil.Error:
+            continue
+        if "RANK" in env and "LOCAL_RANK" in env:
+            out[int(env["RANK"])] = c.pid
+    return out
+
+
+def final_digest(log: str) -> str:
+    found = set(re.findall(r"final drafter weights digest (\w+)", log))
+    assert len(found) == 1, found
+    return found.pop()
+
+
+def spawn(n: int, fn, *args, timeout: float = 60) -> list:
+    """Run fn(rank, port, queue, *args) in n spawned processes (a free loopback port for their
+    rendezvous); returns the n items they put on the queue. Stragglers are killed, never awaited."""
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=fn, args=(r, port, q, *args)) for r in range(n)]
+    for p in procs:
+        p.start()
+    try:
+        return [q.get(timeout=timeout) for _ in range(n)]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+
+
+def interrupt(nproc: int, overrides: list[str], run_dir: Path, at_step: int, act, timeout: float):
+    """Start a job of `nproc` ranks, call act(agent process) once it reaches `at_step`, wait for every
+    process to end. Returns (log, seconds from act to the end, torchrun's exit code)."""
+    import time
+    log = run_dir / "first.log"
+    proc = start_torchrun(nproc, overrides, run_dir, log)
+    try:
+        wait_for(lambda: progress_step(run_dir) >= at_step, 120, f"training to reach step {at_step}")
+        t0 = time.monotonic()
+        act(proc)
+        proc.wait(timeout=timeout)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return log.read_text(), took, proc.returncode
+
+
+def assert_capture_matches_alone(target, ref_model, seqs, cu, pos, layer_ids, hidden: int):
+    """A target's packed capture equals each sequence run alone through the transformers model: features
+    of `layer_ids` (hidden_states[i + 1]) and logits. Returns (features, logits) of the packed batch."""
+    import torch
+    ids = torch.cat(seqs)
+    feats, logits = target.capture(ids, cu, pos, layer_ids, need_logits=True)
+    assert feats.shape == (ids.numel(), len(layer_ids) * hidden)
+    with torch.no_grad():
+        for s, seq in enumerate(seqs):
+            out = ref_model(input_ids=seq[None], output_hidden_states=True)
+            a, b = int(cu[s]), int(cu[s + 1])
+            for j, layer in enumerate(layer_ids):
+                torch.testing.assert_close(feats[a:b, j * hidden:(j + 1) * hidden], out.hidden_states[layer + 1][0],
+                                           atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(logits[a:b], out.logits[0], atol=1e-5, rtol=1e-5)
+    return feats, logits
+
+
+@contextlib.contextmanager
+def read_only(path):
+    """`path` cannot be written while inside. root ignores permission bits: the directory is made immutable
+    instead (ext4/xfs; what `chattr +i` does, by its ioctl, in this process)."""
+    root = os.geteuid() == 0
+    if root:
+        _set_immutable(path, True)
+    else:
+        os.chmod(path, 0o555)
+    try:
+        yield
+    finally:
+        if root:
+            _set_immutable(path, False)
+        else:
+            os.chmod(path, 0o755)
+
+
+def _set_immutable(path, on: bool) -> None:
+    """FS_IOC_SETFLAGS with FS_IMMUTABLE_FL set or cleared (linux/fs.h), as e2fsprogs' chattr does."""
+    import array
+    import fcntl
+    get_flags, set_flags, immutable = 0x80086601, 0x40086602, 0x10
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        flags = array.array("i", [0])
+        fcntl.ioctl(fd, get_flags, flags, True)
+        flags[0] = flags[0] | immutable if on else flags[0] & ~immutable
+        fcntl.ioctl(fd, set_flags, flags)
+    finally:
+        os.close(fd)
+
+
+# SmolLM2-135M-Instruct's shape (its config.json on the Hub): hidden 576, 30 layers, 9 heads of 64, 3 KV heads.
+SMOL = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "num_hidden_layers": 30,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "intermediate_size": 1536,
+        "tie_word_embeddings": True, "max_position_embeddings": 8192, "rope_theta": 100000.0, "rms_norm_eps": 1e-5}
+
+
+def smol_shape(tmp_path) -> list[str]:
+    """Overrides for a transformers target of SMOL's shape: its config.json alone, in tmp_path/smol."""
+    (tmp_path / "smol").mkdir(exist_ok=True)
+    (tmp_path / "smol" / "config.json").write_text(json.dumps(SMOL))
+    return ["model.target.kind=hf", f"model.target.path={tmp_path / 'smol'}"]
+
+
+def train_step(model, data, feats, target, anchors, anchor_cu, *, scale=1.0, before_last_chunk=None,
+               batch_mean=True, dpace_alpha=None, **objective):
+    """`training.step.drafter_step` of a batch, with the settings `step_settings` builds (as every caller
+    does) from an ObjectiveConfig of these keys: `batch_mean` is `loss_norm=batch`, `dpace_alpha` D-PACE's."""
+    from dflash_dist.config import ObjectiveConfig
+    from dflash_dist.training.step import StepBatch, drafter_step, step_settings
+    dpace = {} if dpace_alpha is None else {"position_weights": "dpace", "dpace_alpha": dpace_alpha}
+    o = ObjectiveConfig(block_size=model.spec.block_size, loss_norm="batch" if batch_mean else "step",
+                        **dpace, **objective)
+    return drafter_step(model, StepBatch(data, feats, target, anchors, anchor_cu), step_settings(o, model.spec),
+                        scale=scale, before_last_chunk=before_last_chunk)
+
+
+def flip_byte(f, at=-20):
+    """Flips one byte of file f (at a negative or positive offset): same size, another bit pattern."""
+    data = bytearray(f.read_bytes())
+    data[at] ^= 0xFF
+    f.write_bytes(bytes(data))
+
+
+def wandb_cfg(mode, timeout=20.0):
+    """The wandb section of the default config at this mode and init timeout."""
+    from dflash_dist.config import load_config
+    return load_config(None, [f"wandb.mode={mode}", f"wandb.init_timeout_s={timeout}"]).wandb
+
+
+def exit_codes(out: str) -> set[int]:
+    """The workers' exit codes that torchrun's error report lists."""
+    return {int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", out)}
