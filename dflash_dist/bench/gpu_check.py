@@ -61,7 +61,7 @@ from dflash_dist.config import Config, TargetConfig, load_config
 # torch is imported where it is used: a section's process (and the hidden test section) starts in a
 # fraction of a second, and the parent process never loads what the sections measure.
 SECTIONS = ("env", "grads", "drafter", "target", "nccl", "cost")
-HIDDEN = ("hang",)  # test hook: a section that never ends (tests/test_bench_smoke.py)
+HIDDEN = ("hang",)  # test hook: a section that never ends (tests/integration/test_bench_runs.py)
 CAPS = {"env": 30, "grads": 120, "drafter": 240, "target": 150, "nccl": 80, "cost": 60,
         "hang": 600}  # seconds; nccl: 220 on 2+ GPUs
 BUDGET_S = {1: 470, 2: 590}  # one GPU / several (and --dry-run)

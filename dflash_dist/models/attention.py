@@ -33,7 +33,7 @@ every size, so the one recompile to symbolic sizes happens there, and a third sh
 further compile follows. Calls shorter than two 128-token tiles are padded to two, so no real batch
 meets the size-1 specialisation that a compiled graph guards against. dynamic=True is not used: on this
 torch (2.13) inductor's CPU flex template does not compile with it (a C++ error); the automatic route
-compiled twice and then held (tests/test_attention.py). `backend.compile_stats()` counts the compiled graphs.
+compiled twice and then held (tests/integration/test_attention_compiled.py). `backend.compile_stats()` counts the compiled graphs.
 """
 from __future__ import annotations
 
