@@ -22,8 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -175,28 +175,21 @@ def bench(rank: int, world: int, args: argparse.Namespace) -> list[dict] | None:
     return rows
 
 
-def _init(backend: str) -> None:
+def _init(backend: str, **rendezvous) -> None:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend)
+    dist.init_process_group(backend, **rendezvous)
 
 
-def _spawned(rank: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank))
+def _spawned(rank: int, init_method: str, args: argparse.Namespace) -> None:
+    os.environ.update(LOCAL_RANK=str(rank))
     # Two processes share the cores; a full intra-op pool each would only contend.
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-    _init(args.backend)
+    _init(args.backend, init_method=init_method, rank=rank, world_size=2)
     try:
         bench(rank, 2, args)
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -228,7 +221,9 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             dist.destroy_process_group()
         return
-    mp.spawn(_spawned, args=(free_port(), args), nprocs=2, join=True)
+    # The rendezvous is a file of this run's own: no port to choose, release and have rank 0 bind later.
+    with tempfile.TemporaryDirectory(prefix="dflash-transport-") as d:
+        mp.spawn(_spawned, args=(f"file://{d}/store", args), nprocs=2, join=True)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,11 @@
 """Distillation labels between real processes: the packet's extra payload (target labels) between
 two gloo processes, and the real entry point under torchrun on target labels, hard and soft."""
-import datetime
 import json
 import math
-import os
 import traceback
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from dflash_dist.data.collate import PackedBatch
 from dflash_dist.parallel.transport import PacketSender, PendingPacket, TargetLabels
@@ -34,9 +31,7 @@ def _packet(b, kind, width):
     return data, feats, target
 
 
-def _worker(rank, port, q):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=20))
+def _worker(rank, q):
     try:
         if rank == 1:
             s = PacketSender(max_in_flight=4)
@@ -66,12 +61,10 @@ def _worker(rank, port, q):
             q.put(("receiver", len(KINDS)))
     except Exception:
         q.put(("exception", traceback.format_exc()))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_packet_with_target_labels_round_trips():
-    results = dict(spawn(2, _worker))
+    results = dict(spawn(2, _worker, timeout_s=20))
     assert "exception" not in results, results["exception"]
     assert results["receiver"] == len(KINDS)
     assert results["sender"] == [3, 3, 4, 3]  # the data path stays three tensors; soft adds the values

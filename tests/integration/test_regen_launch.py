@@ -6,13 +6,13 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from torch.distributed import TCPStore
 
 from dflash_dist.bench.regenerate import conversations, write_jsonl
 from dflash_dist.data.regen import chunks
@@ -20,12 +20,6 @@ from dflash_dist.data.regen import chunks
 from helpers import wait_for
 from regen_fixtures import ENV, ROOT, fault_argv
 from regen_fixtures import target  # noqa: F401  (fixtures)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def regen_workers(root_pid: int) -> dict[int, int]:
@@ -46,11 +40,14 @@ def regen_workers(root_pid: int) -> dict[int, int]:
 @pytest.mark.slow
 def test_a_dead_rank_on_another_node_ends_rank_0_with_exit_3_naming_it(target, tmp_path):
     """Two torchrun agents (--nnodes=2, c10d rendezvous on loopback), one rank each: SIGKILL of the rank on
-    the node that does not host the store; the other rank (rank 0 here as a rule: the first agent's) names it
-    and exits 3 within --dead-after-s and a margin (rank 0 used to poll for the dead rank's chunks forever)."""
+    the second node; the other rank (rank 0 here as a rule: the first agent's) names it and exits 3 within
+    --dead-after-s and a margin (rank 0 used to poll for the dead rank's chunks forever). The rendezvous
+    store is the test's own, listening before either agent starts (each agent's attempt to host it falls
+    back to joining it): no port is chosen, released and bound later."""
     src = write_jsonl(tmp_path / "chats.jsonl", conversations(200, seed=9))
     out = tmp_path / "out.jsonl"
-    port = free_port()
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = store.port
     env = dict(ENV, MODULE="dflash_dist.data.regenerate", KEEP_CWD="1", PYBIN=str(Path(sys.executable).parent),
                NNODES="2", NPROC="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RDZV_ID=f"faults-{port}",
                SHUTDOWN_TIMEOUT="10")
@@ -59,15 +56,15 @@ def test_a_dead_rank_on_another_node_ends_rank_0_with_exit_3_naming_it(target, t
     logs = [open(tmp_path / f"node{n}.log", "w") for n in (0, 1)]
     nodes = []
     try:
-        for n in (0, 1):  # the first agent hosts the rendezvous store
+        for n in (0, 1):  # the first agent joins first: its rank is 0 (ranks follow the agents' pids)
             nodes.append(subprocess.Popen(cmd, env=dict(env, NODE_RANK=str(n)), stdout=logs[n],
                                           stderr=subprocess.STDOUT, start_new_session=True))
             if n == 0:
-                wait_for(lambda: socket.socket().connect_ex(("127.0.0.1", port)) == 0, 60, "the rendezvous store")
+                wait_for(lambda: store.check([f"torch.rendezvous.faults-{port}"]), 60, "the first agent's rendezvous")
         ranks = {}
         wait_for(lambda: ranks.update({(n, r): p for n in (0, 1) for r, p in regen_workers(nodes[n].pid).items()})
                  or len(ranks) == 2, 120, "both ranks")
-        # Node 1's rank dies (node 0's agent hosts the store, which the survivor still needs to name it).
+        # Node 1's rank dies (the survivor still needs the store to name it: the test holds it).
         (_, victim_rank), = [k for k in ranks if k[0] == 1]
         wait_for(lambda: all((chunks.parts_dir(out) / f"progress-rank{r}.json").exists() for r in (0, 1)), 180,
                  "both ranks at work")

@@ -7,8 +7,6 @@ load-time self-check runs sharded too), captures a packed batch, and reports wha
 """
 from __future__ import annotations
 
-import os
-from datetime import timedelta
 
 import pytest
 import torch
@@ -47,21 +45,17 @@ def local_shape(p) -> tuple:
     return tuple(p.to_local().shape if hasattr(p, "to_local") else p.shape)
 
 
-def replica_worker(rank, port, q, root):
+def replica_worker(rank, q, root):
     import torch.distributed as dist
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=3, timeout=timedelta(seconds=45))
     group = dist.new_group([1, 2])  # every rank creates every group, as dist.py does
     try:
         out = replica_cases(root, group) if rank else {}
-        dist.barrier()  # rank 0 holds the store: it stays until the replica is done
-    except Exception:  # report it, so the test fails with the cause rather than a queue timeout
+        dist.barrier()  # rank 0 stays until the replica is done
+    except Exception:  # report it, so the test fails with the cause rather than an exit code
         import traceback
         q.put((rank, {"error": traceback.format_exc()}))
         raise
     q.put((rank, out))
-    dist.destroy_process_group()
 
 
 def replica_cases(root, group) -> dict:
@@ -95,7 +89,7 @@ def replica_results(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp_targets")
     for kind in ("qwen3", "qwen3_moe"):
         save_tiny(kind, root / kind)
-    results = dict(spawn(3, replica_worker, root, timeout=90))
+    results = dict(spawn(3, replica_worker, root, timeout_s=45))
     errors = [r["error"] for r in results.values() if "error" in r]
     if errors:
         pytest.fail("a replica rank failed:\n" + errors[0])

@@ -1,13 +1,9 @@
 """A tiny drafter and three packed batches of unequal size (and unequal weight sums), for the tests that
 hold D drafters' step (real gloo processes, DDP and FSDP2) to one process's step on the merged batch:
 objective.loss_norm=step and D-PACE's position weights."""
-import time
-
 import torch
-import torch.multiprocessing as mp
 
 import helpers
-from dflash_dist.bench.transport import free_port
 from dflash_dist.data.collate import PackedBatch
 from dflash_dist.models.drafter import DFlashDrafter, DraftSpec
 from dflash_dist.training.objective import anchor_generator, draw_anchors
@@ -58,21 +54,11 @@ def reference_grads(num_batches: int, **objective) -> dict:
     return {k: p.grad for k, p in model.named_parameters()}
 
 
-def assert_drafters_give(worker, want: dict, tmp_path, world: int, args: tuple, deadline_s: float) -> None:
-    """`world` spawned ranks run worker(rank, world, port, *args, out); rank 0 saves the step's gradients to
-    `out`, which must equal `want`. One deadline for all ranks; stragglers are killed, never awaited."""
-    out, port = tmp_path / "grads.pt", free_port()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=worker, args=(r, world, port, *args, str(out))) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + deadline_s
-    for p in procs:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive and all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+def assert_drafters_give(worker, want: dict, tmp_path, world: int, args: tuple) -> None:
+    """`world` ranks (helpers.spawn) run worker(rank, queue, *args, out) and put their rank on the queue;
+    rank 0 saves the step's gradients to `out`, which must equal `want`."""
+    out = tmp_path / "grads.pt"
+    assert sorted(helpers.spawn(world, worker, *args, str(out))) == list(range(world))
     got = torch.load(out)
     assert got.keys() == want.keys()
     for k in want:

@@ -91,27 +91,75 @@ def final_digest(log: str) -> str:
     return found.pop()
 
 
-def spawn(n: int, fn, *args, timeout: float = 60) -> list:
-    """Run fn(rank, port, queue, *args) in n spawned processes (a free loopback port for their
-    rendezvous); returns the n items they put on the queue. Stragglers are killed, never awaited."""
-    import socket
+STARTUP_S = 300  # for every spawned rank to start (an interpreter importing torch and the test module)
+
+
+def spawn(n: int, fn, *args, timeout_s: float = 120) -> list:
+    """Run fn(rank, queue, *args) in n spawned processes, the n ranks of a gloo process group, and return
+    the n items they put on the queue (one each).
+
+    The rendezvous is a FileStore in a directory this call owns: no port is chosen, released and bound
+    later by rank 0 (which raced every other process on the machine for it); gloo's own sockets bind
+    ports the kernel picks and publish them through the store. Each rank runs one intra-op thread, as the
+    in-process tests do. There is no deadline for the whole run, which a loaded machine stretches: ranks
+    wait for each other's start-up for up to STARTUP_S, then `timeout_s` bounds each wait of a rank on its
+    peers (gloo raises in the rank that waits). A rank that ends without its item fails the test at once,
+    naming its exit code; stragglers are killed, never awaited."""
+    import queue
 
     import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=fn, args=(r, port, q, *args)) for r in range(n)]
-    for p in procs:
-        p.start()
-    try:
-        return [q.get(timeout=timeout) for _ in range(n)]
-    finally:
+    with tempfile.TemporaryDirectory(prefix="dflash-rendezvous-") as d:
+        procs = [ctx.Process(target=_rank, args=(fn, r, n, os.path.join(d, "store"), q, timeout_s, args))
+                 for r in range(n)]
         for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+            p.start()
+        try:
+            got = []
+            while len(got) < n:
+                try:
+                    got.append(q.get(timeout=1.0))
+                except queue.Empty:
+                    if any(p.exitcode not in (None, 0) for p in procs) or all(p.exitcode is not None for p in procs):
+                        got += _drain(q)  # what an ended rank put just before it ended
+                        assert len(got) >= n, (f"{n - len(got)} of {n} ranks ended without their result (exit "
+                                               f"codes by rank: {[p.exitcode for p in procs]}); the others': {got}")
+            return got
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+
+
+def _drain(q) -> list:
+    import queue
+    out = []
+    try:
+        while True:
+            out.append(q.get(timeout=1.0))
+    except queue.Empty:
+        return out
+
+
+def _rank(fn, rank: int, world: int, store_path: str, q, timeout_s: float, args: tuple) -> None:
+    """A spawned rank: wait until every rank has started, join the process group, run fn, leave."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world)
+    store.set_timeout(datetime.timedelta(seconds=STARTUP_S))
+    store.set(f"started/{rank}", "1")
+    store.wait([f"started/{r}" for r in range(world)])
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        fn(rank, q, *args)
+    finally:
+        dist.destroy_process_group()
 
 
 def interrupt(nproc: int, overrides: list[str], run_dir: Path, at_step: int, act, timeout: float):
