@@ -231,6 +231,17 @@ def _set_immutable(path, on: bool) -> None:
         os.close(fd)
 
 
+def tiny_spec(**overrides):
+    """The tests' tiny drafter: vocabulary 48, hidden 32, 2 layers of 4 query and 2 key/value heads of 8,
+    blocks of 4, the last id as the mask token, features of target layers 0 and 1 of 3. `overrides` are
+    DraftSpec fields (a DFlash 2 variant's too); the mask token follows a vocabulary given."""
+    from dflash_dist.models.drafter import DraftSpec
+    shape = dict(vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                 head_dim=8, rope_theta=10000.0, rms_eps=1e-6, block_size=4, target_layer_ids=(0, 1),
+                 num_target_layers=3) | overrides
+    return DraftSpec(**{"mask_token_id": shape["vocab_size"] - 1, **shape})
+
+
 # SmolLM2-135M-Instruct's shape (its config.json on the Hub): hidden 576, 30 layers, 9 heads of 64, 3 KV heads.
 SMOL = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "num_hidden_layers": 30,
         "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "intermediate_size": 1536,

@@ -17,7 +17,7 @@ from dflash_dist.data.collate import PackedBatch
 from dflash_dist.evaluation.reference import speculative_generate
 from dflash_dist.evaluation.speculative import ContextDrafter, speculative, target_greedy
 from dflash_dist.models.build import build_drafter, build_target, draft_spec
-from dflash_dist.models.drafter import DFlashDrafter, DraftSpec
+from dflash_dist.models.drafter import DFlashDrafter
 from dflash_dist.models.dflash2 import candidate_logits, unary_top_k, walk
 from dflash_dist.models.export import export_drafter, load_drafter
 from dflash_dist.training.objective import anchor_generator, block_labels, draw_anchors, lm_head_loss
@@ -26,11 +26,10 @@ from dflash_dist.training.stats import StepStats
 
 
 CPU = torch.device("cpu")
-B, V, H, K, R = 4, 48, 32, 5, 8
-SPEC = DraftSpec(vocab_size=V, hidden_size=H, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                 head_dim=8, rope_theta=10000.0, rms_eps=1e-6, block_size=B, mask_token_id=V - 1,
-                 target_layer_ids=(0, 1), num_target_layers=3, variant="dflash2", conv_group_size=8,
-                 selector_top_k=K, selector_rank=R, output_multiplier=0.7, final_logit_softcapping=3.0)
+K, R = 5, 8
+SPEC = helpers.tiny_spec(variant="dflash2", conv_group_size=8, selector_top_k=K, selector_rank=R,
+                         output_multiplier=0.7, final_logit_softcapping=3.0)
+B, V, H = SPEC.block_size, SPEC.vocab_size, SPEC.hidden_size
 
 
 def trained_like(model: DFlashDrafter, seed: int = 0) -> DFlashDrafter:

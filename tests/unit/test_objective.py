@@ -5,14 +5,13 @@ import pytest
 import torch
 
 from dflash_dist.data.collate import position_ids
-from dflash_dist.models.drafter import DFlashDrafter, DraftSpec
+from dflash_dist.models.drafter import DFlashDrafter
 from dflash_dist.training.objective import anchor_generator, block_labels, draw_anchors
+import helpers
 from oracles import dflash_loss
 
 B = 8
-SPEC = DraftSpec(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                 head_dim=8, rope_theta=10000.0, rms_eps=1e-6, block_size=B, mask_token_id=63,
-                 target_layer_ids=(0, 1), num_target_layers=3)
+SPEC = helpers.tiny_spec(vocab_size=64, block_size=B)
 
 
 @pytest.fixture(scope="module")

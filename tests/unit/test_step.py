@@ -4,16 +4,14 @@ import helpers
 import torch
 
 from dflash_dist.data.collate import PackedBatch
-from dflash_dist.models.drafter import DFlashDrafter, DraftSpec
+from dflash_dist.models.drafter import DFlashDrafter
 from dflash_dist.training.objective import anchor_generator, draw_anchors
 from oracles import dflash_loss
 from dflash_dist.training.step import batch_targets
 from dflash_dist.parallel.transport import TargetLabels
 
-B, V, H = 4, 48, 32
-SPEC = DraftSpec(vocab_size=V, hidden_size=H, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                 head_dim=8, rope_theta=10000.0, rms_eps=1e-6, block_size=B, mask_token_id=V - 1,
-                 target_layer_ids=(0, 1), num_target_layers=3)
+SPEC = helpers.tiny_spec()
+B, V, H = SPEC.block_size, SPEC.vocab_size, SPEC.hidden_size
 
 
 def make_model(checkpoint_layers=False):
