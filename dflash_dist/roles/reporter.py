@@ -267,6 +267,7 @@ class Reporter(NullReporter):
             "tau_untrained": h.tau_untrained, "tau_trained": tau_trained,
             "tau_during_training": list(h.taus),  # every measurement of the run, by step (before and after too)
             "planned_batches": list(run.epoch_counts),
+            "plan_digests": list(run.plan_digests),  # every epoch's plan fingerprint, as each rank logs it
             "skipped": dict(run.skipped or {}), "skipped_in_preparation": preparation_skips(run.dataset),
             "checkpoint": str(checkpoint) if checkpoint else None, "export": str(exported) if exported else None,
             "weights_digest": digest, "wait_targets": wait_fraction(tw, tc), "wait_drafters": wait_fraction(dw, dc),

@@ -12,10 +12,12 @@ pytestmark = pytest.mark.slow  # whole runs under torchrun: `pytest -m "not slow
 def check_run(res, run_dir, nproc, drafters, samples=160):
     log = res.stdout + res.stderr
     assert res.returncode == 0, log[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    first = list(zip(summary["planned_batches"], summary["plan_digests"]))  # rank 0's count at start, per epoch
+    assert len(first) == 3
+    # Each rank's own record of the plan it trains on is its log line (made so a disagreement is visible).
     per_rank = epoch_lines(log)
     assert sorted(per_rank) == list(range(nproc)), "every rank logs every epoch's count"
-    first = per_rank[0]
-    assert len(first) == 3
     for rank, seen in per_rank.items():
         assert seen == first, f"rank {rank} saw another plan: {seen} vs {first}"
     # The monitor's epoch progress ends at exactly 100% of the count broadcast for that epoch.
@@ -28,7 +30,6 @@ def check_run(res, run_dir, nproc, drafters, samples=160):
     for r in recs:
         if r.get("kind") == "progress":
             assert r["batches_per_epoch"] == first[r["epoch"] - 1][0]
-    summary = json.loads((run_dir / "summary.json").read_text())
     assert [e["batches"] for e in summary["epochs"]] == [n for n, _ in first]
     # Every sample once per epoch, but those the plan skips (counted by reason, e.g. over the budget).
     assert summary["samples"] == 3 * (samples - sum(summary["skipped"].values())), summary["skipped"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import epoch_lines, metrics, torchrun
+from helpers import metrics, torchrun
 
 
 @pytest.mark.slow
@@ -53,10 +53,11 @@ def test_a_figure_without_data_is_left_out_with_a_note(runs, tmp_path):
 def test_sorted_run_has_one_batch_count_that_monitor_summary_and_report_show(runs, tmp_path):
     dirs, logs = runs
     run_dir, log = dirs["sorted"], logs["sorted"]
-    counts = [n for n, _ in epoch_lines(log)[0]]
+    recs = metrics(run_dir)
+    (plan,) = [rec for rec in recs if rec.get("kind") == "plan"]  # the counts rank 0 broadcast at start
+    counts = plan["epoch_counts"]
     assert len(counts) == 3 and len(set(counts)) == 1, counts
     n = counts[0]
-    recs = metrics(run_dir)
     # monitor: every progress line of every epoch counts against the same n
     assert {rec["batches_per_epoch"] for rec in recs if rec.get("kind") in ("progress", "epoch_end")} == {n}
     assert re.search(rf"epoch 3/3  batch {n}/{n} \(100%\)", log)
@@ -73,7 +74,7 @@ def test_sorted_run_has_one_batch_count_that_monitor_summary_and_report_show(run
     page = (out / "index.html").read_text()
     assert page.count(f"<td>{n}, {n}, {n}</td>") == 2 and "<td>sorted</td>" in page
     # the fill run repacks every epoch: its counts are its own, per epoch, in the same table row
-    fill_counts = [c for c, _ in epoch_lines(logs["fill"])[0]]
+    fill_counts = [rec["batches_per_epoch"] for rec in metrics(dirs["fill"]) if rec.get("kind") == "epoch_end"]
     assert json.loads((dirs["fill"] / "summary.json").read_text())["planned_batches"] == fill_counts
 
 
