@@ -115,8 +115,8 @@ def spawn(n: int, fn, *args, timeout_s: float = 120) -> list:
                  for r in range(n)]
         for p in procs:
             p.start()
+        got, grace = [], 0.0  # a failed run's stragglers wait on the dead rank: killed at once
         try:
-            got = []
             while len(got) < n:
                 try:
                     got.append(q.get(timeout=1.0))
@@ -125,10 +125,11 @@ def spawn(n: int, fn, *args, timeout_s: float = 120) -> list:
                         got += _drain(q)  # what an ended rank put just before it ended
                         assert len(got) >= n, (f"{n - len(got)} of {n} ranks ended without their result (exit "
                                                f"codes by rank: {[p.exitcode for p in procs]}); the others': {got}")
+            grace = 30.0  # every rank has its result: let each leave the group
             return got
         finally:
             for p in procs:
-                p.join(timeout=30)
+                p.join(timeout=grace)
                 if p.is_alive():
                     p.kill()
 
