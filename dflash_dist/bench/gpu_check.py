@@ -297,6 +297,13 @@ def section_drafter(rep: Report, dry: bool, deadline: float) -> None:
 
 # -- target -----------------------------------------------------------------------------------------
 
+def target_flops(cfg: Config, lengths: list[int], layers: int) -> float:
+    """The forecast's count (`forecast.cost.target_forward_flops`) of `layers` target layers' forward."""
+    from dflash_dist.forecast.cost import target_forward_flops
+    from dflash_dist.forecast.shapes import model_shapes
+    return sum(target_forward_flops(model_shapes(cfg), lengths, layers))
+
+
 def peak_tflops(dev: torch.device) -> float | None:
     import torch
 
@@ -327,8 +334,6 @@ def section_target(rep: Report, dry: bool, deadline: float) -> None:
     from dflash_dist.bench.common import sync, timed
     from dflash_dist.data.collate import position_ids
     from dflash_dist.models import attention as attn
-    from dflash_dist.forecast.cost import target_forward_flops
-    from dflash_dist.forecast.shapes import model_shapes
     from dflash_dist.models.hf_target import HFTarget, _dtype_kwarg
 
     dev, cfg = device(dry), reference_config(dry)
@@ -365,7 +370,7 @@ def section_target(rep: Report, dry: bool, deadline: float) -> None:
     reset_peak(dev)
     sec = timed(lambda: capture(ids), 2, 0, dev)
     layers = max(layer_ids) + 1  # capture stops after the last captured layer
-    flops = sum(target_forward_flops(model_shapes(cfg), lengths, layers))  # the forecast's count
+    flops = target_flops(cfg, lengths, layers)
     peak = peak_tflops(dev)
     rep.add("capture s", sec, f"{layers} layers; median of 2")
     report_time(rep, "capture", sec, cfg, "target", dev, lengths)
