@@ -12,22 +12,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import gguf_fixtures
 from dflash_dist.checkpoints.files import AtomicDir, atomic_write, check_output_path, write_json
 from dflash_dist.models import from_gguf
 
 
 def write_gguf(path):
     """A header-only llama GGUF: convert reads only its header and digest once load_gguf is replaced."""
-    import gguf
-    import numpy as np
-
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_tensor("dummy", np.zeros(4, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return gguf_fixtures.write_gguf(path, "llama")
 
 
 def tiny_llama():
