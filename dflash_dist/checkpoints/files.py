@@ -3,23 +3,35 @@ the one temporary-name rule both use (temp_sibling), for every stage that writes
 summaries, caches, benchmark results, from_gguf's and export's model folders). Every file and folder
 they leave gets the mode the umask gives (umask_modes), whatever wrote it: other users' jobs read a shared
 target. An output that exists and is not a regular file (a character device such as /dev/null, a FIFO)
-is written through as it is, never replaced by a regular file (atomic_write, check_output_path).
+is written through as it is, never replaced by a regular file (atomic_write, check_output_path). A
+temporary that a killed writer left (SIGKILL, a power cut) is removed by the next write of the same
+destination on the same host (remove_stale_temps); SIGTERM, with terminate_cleanly, removes its own.
 """
 from __future__ import annotations
 
 import errno
 import hashlib
 import json
+import logging
 import math
 import os
+import re
 import secrets
 import shutil
+import signal
+import socket
 import stat
 import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
+log = logging.getLogger(__name__)
+
 TMP_TAG = ".tmp-"  # in every temporary name: readers refuse it and start-up clean-ups look for it
+# The writer's host in every temporary name: a pid says whether its writer still runs only on that host
+# (a shared filesystem holds other nodes' temporaries too, whose pids mean nothing here).
+HOST_TAG = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:6]
+_TEMP_NAME = re.compile(r"(tmp|old)-(\d+)-([0-9a-f]{6})[0-9a-f]{8}")  # after ".NAME.": tag, pid, host, random
 
 
 def fsync_dir(path: Path) -> None:
@@ -32,11 +44,82 @@ def fsync_dir(path: Path) -> None:
 
 
 def temp_sibling(path: Path, tag: str = "tmp") -> Path:
-    """The one temporary-name rule: `.NAME.tmp-PID-RANDOM` beside `path`. A sibling, so the rename stays on
-    one filesystem (only there is it atomic); hidden, so no glob of final names picks it up; the pid and
-    random part keep racing writers (ranks, jobs) and a stale temporary of a killed one apart. `tag` "old"
-    names a destination moved aside by AtomicDir."""
-    return path.with_name(f".{path.name}.{tag}-{os.getpid()}-{secrets.token_hex(4)}")
+    """The one temporary-name rule: `.NAME.tmp-PID-HOSTRANDOM` beside `path`. A sibling, so the rename stays
+    on one filesystem (only there is it atomic); hidden, so no glob of final names picks it up; the pid, the
+    host's tag and the random part keep racing writers (ranks, jobs, nodes) apart and tell a killed one's
+    (temp_writer). `tag` "old" names a destination moved aside by AtomicDir."""
+    return path.with_name(f".{path.name}.{tag}-{os.getpid()}-{HOST_TAG}{secrets.token_hex(4)}")
+
+
+def temp_writer(path: Path, tmp: Path) -> tuple[int, bool | None] | None:
+    """(pid, alive) of the writer of `tmp` when it is one of temp_sibling's names for `path`, else None.
+    alive is None where that cannot be told: a temporary of another host."""
+    prefix = f".{path.name}."
+    m = _TEMP_NAME.fullmatch(tmp.name[len(prefix):]) if tmp.name.startswith(prefix) else None
+    if m is None:
+        return None
+    pid = int(m.group(2))
+    return pid, (pid_alive(pid) if m.group(3) == HOST_TAG else None)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        pass
+    return True
+
+
+def temp_siblings(path: Path) -> list[tuple[Path, int, bool | None]]:
+    """(temporary, pid, alive) of every temporary of `path` beside it (temp_writer)."""
+    out = []
+    try:
+        entries = list(os.scandir(path.parent))
+    except OSError:  # no parent yet, or not readable: nothing of ours there
+        return out
+    for e in entries:
+        if (w := temp_writer(path, Path(e.path))) is not None:
+            out.append((Path(e.path), *w))
+    return out
+
+
+def remove_stale_temps(path: Path) -> list[Path]:
+    """Remove what killed writers of `path` on this host left beside it: temporaries whose pid no longer
+    runs (a SIGKILL, an OOM kill, a power cut give a writer no chance to). A live writer's, and another
+    host's, are left alone. A destination moved aside ("old") while `path` is missing is the last whole
+    version (the kill fell between AtomicDir's two renames): it is put back, not removed. Returns what
+    was removed or put back."""
+    done = []
+    for tmp, _pid, alive in temp_siblings(path):
+        if alive is not False:
+            continue
+        try:
+            if tmp.name[len(path.name) + 2:].startswith("old-") and not os.path.lexists(path):
+                os.replace(tmp, path)
+            elif tmp.is_dir() and not tmp.is_symlink():
+                shutil.rmtree(tmp)
+            else:
+                tmp.unlink()
+        except FileNotFoundError:  # another cleaner's, meanwhile
+            continue
+        done.append(tmp)
+    if done:
+        log.warning("removed what killed writers of %s left: %s", path, ", ".join(p.name for p in done))
+    return done
+
+
+def terminate_cleanly() -> None:
+    """Make SIGTERM raise SystemExit(143) in the main thread, so a command-line job stopped by a user or
+    a scheduler unwinds: atomic_write and AtomicDir remove their temporaries on the way out, where the
+    default action would end the process at once and leave them behind. 143 is the code SIGTERM's
+    default gives (128 + 15)."""
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM during the clean-up ends it at once
+        log.warning("SIGTERM: stopping; removing what was half written")
+        raise SystemExit(128 + signal.SIGTERM)
+    signal.signal(signal.SIGTERM, stop)
 
 
 def atomic_write(path: str | os.PathLike, data: str | bytes | Callable[[BinaryIO], object]) -> Path:
@@ -52,6 +135,7 @@ def atomic_write(path: str | os.PathLike, data: str | bytes | Callable[[BinaryIO
         with open(path, "wb") as f:
             _write(f, data)
         return path
+    remove_stale_temps(path)
     tmp = temp_sibling(path)
     try:
         with open(tmp, "xb") as f:  # open's mode is 0o666 less the umask (mkstemp's would be 0600)
@@ -127,13 +211,16 @@ class AtomicDir:
     manager (commit on success, abort on an exception) or call commit/abort. `replace`: an existing
     `path` is replaced (moved aside, then deleted once the new one stands); otherwise commit refuses it
     with FileExistsError. `tmp`: a fixed temporary name instead of the rule's, only for a store whose
-    leftovers are already known by that name (checkpoints' step-N.tmp); a stale one is removed first."""
+    leftovers are already known by that name (checkpoints' step-N.tmp); a stale one is removed first.
+    With the rule's name, what killed writers of `path` left is removed first (remove_stale_temps)."""
 
     def __init__(self, path: str | os.PathLike, *, replace: bool = False, tmp: Path | None = None):
         self.path, self.replace = Path(path).absolute(), replace
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)  # a killed writer's: the caller holds the only right to write
+        else:
+            remove_stale_temps(self.path)
         self.tmp = Path(tmp) if tmp is not None else temp_sibling(self.path)
         self.tmp.mkdir()
 

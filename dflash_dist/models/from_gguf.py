@@ -8,10 +8,13 @@ transformers reads a GGUF of a supported architecture (`from_pretrained(dir, ggu
 `gguf` and `accelerate` packages) and de-quantizes it to float, but refuses `save_pretrained` on a model
 loaded that way; so the model is rebuilt from its config (no quantization settings) and the de-quantized
 state dict loaded into it, checked to give the same logits, and saved. OUT_DIR appears whole or not at all
-(written beside it, then renamed). It records its source in `from_gguf.json`: a rerun on the same GGUF
-(same size and SHA-256) leaves it as it is; on another GGUF it is an error unless `--force`.
-Exit 2 for a missing or unreadable file, an architecture transformers cannot load from GGUF, or an
-OUT_DIR that holds something else.
+(written beside it by files.AtomicDir, then renamed; SIGTERM removes the temporary, and a rerun removes
+what a killed run left). It records its source in `from_gguf.json`: a rerun on the same GGUF (same size
+and SHA-256) leaves it as it is; on another GGUF it is an error unless `--force`. A conversion that is
+being written into OUT_DIR by another process is waited for when it is of the same GGUF, else refused.
+Exit 2 for a missing or unreadable file, an architecture transformers cannot load from GGUF, an OUT_DIR
+that holds something else or that another conversion is writing, and an OUT_DIR that cannot be written
+(a read-only or immutable directory, a full disk).
 """
 from __future__ import annotations
 
@@ -21,12 +24,12 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
 import sys
-import tempfile
+import time
 from pathlib import Path
 
-from dflash_dist.checkpoints.files import umask_modes
+from dflash_dist.checkpoints.files import (AtomicDir, OutputPathError, atomic_write, check_output_dir,
+                                           temp_siblings, terminate_cleanly)
 from dflash_dist.exits import EXIT_BAD_INPUT
 
 log = logging.getLogger(__name__)
@@ -162,12 +165,52 @@ def _same_source(marker: dict | None, source: dict) -> bool:
     return marker is not None and {k: marker.get(k) for k in source} == source
 
 
+def writers_of(out_dir: Path) -> list[tuple[tuple[int, int], bool | None, dict | None]]:
+    """((claim time ns, pid), alive, source marker) of every other conversion writing out_dir now: its
+    temporary beside out_dir (AtomicDir's) holds the marker of the GGUF it converts, written first (the
+    claim). alive is None for a temporary of another host (whether it still runs cannot be told here)."""
+    out = []
+    for tmp, pid, alive in temp_siblings(out_dir.absolute()):
+        if alive is False or pid == os.getpid() or not tmp.name.split(".")[-1].startswith("tmp-"):
+            continue
+        try:
+            claimed, marker = (tmp / MARKER).stat().st_mtime_ns, json.loads((tmp / MARKER).read_text())
+        except (OSError, ValueError):  # not yet claimed (it was just made), or gone meanwhile
+            claimed, marker = 0, None
+        out.append(((claimed, pid), alive, marker))
+    return out
+
+
+def wait_for_writers(out_dir: Path, source: dict, claim: tuple[int, int] | None = None,
+                     poll_s: float = 1.0) -> bool:
+    """Wait for the other conversions writing out_dir that convert the same GGUF (their result is this
+    one's); a ConversionError naming the pid and GGUF of one that converts another. `claim`: this run's
+    own (its marker's time, its pid): only the writers that claimed out_dir before it count, so of two
+    started together exactly one goes on. Returns whether it waited for one."""
+    waited = False
+    while writers := [w for w in writers_of(out_dir) if claim is None or w[0] < claim]:
+        for (_, pid), alive, marker in writers:
+            # a live one of this host without a marker claims it in a moment; another host's may never
+            if (marker is not None or alive is None) and not _same_source(marker, source):
+                where = "" if alive else " on another host (remove its temporary if none runs there)"
+                what = marker.get("source") if marker else "a GGUF not recorded"
+                raise ConversionError(f"{out_dir} is being written by another conversion (pid {pid}{where}, "
+                                      f"of {what}): wait for it to end, or choose another OUT_DIR")
+        if not waited:
+            log.info("%s is being written by pid %s: waiting for it", out_dir,
+                     ", ".join(str(w[0][1]) for w in writers))
+            waited = True
+        time.sleep(poll_s)
+    return waited
+
+
 def convert(gguf_file: Path, out_dir: Path, force: bool = False) -> Path:
     """Write out_dir from gguf_file (see the module docstring); returns out_dir."""
     gguf_file, out_dir = Path(gguf_file), Path(out_dir)
     if not gguf_file.is_file():
         raise ConversionError(f"{gguf_file}: no such file")
     source = fingerprint(gguf_file)
+    wait_for_writers(out_dir, source)
     done = existing_conversion(out_dir)
     if _same_source(done, source):  # checked first: a cached target costs no transformers import
         log.info("%s already holds this GGUF's conversion: kept", out_dir)
@@ -176,29 +219,36 @@ def convert(gguf_file: Path, out_dir: Path, force: bool = False) -> Path:
     if done is not None and not force:
         raise ConversionError(f"{out_dir} holds the conversion of another GGUF ({done.get('source')}): "
                               f"give --force to replace it")
-    model, tokenizer = load_gguf(gguf_file)
-    plain = rebuild(model)
-    fill_generation_config(plain, tokenizer)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:  # before the slow load: a read-only or immutable directory, or a full disk, found now
+        check_output_dir(out_dir.parent, "OUT_DIR's directory")
+    except OutputPathError as exc:
+        raise ConversionError(str(exc)) from None
     try:
-        plain.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / MARKER).write_text(json.dumps({"source": str(gguf_file.resolve()), **source}, indent=1) + "\n")
-        # mkdtemp's 0700 and safetensors' 0600 would hide the shared target from other users' jobs
-        umask_modes(tmp)
-        if out_dir.exists():  # --force: the old conversion goes only once the new one is complete
-            shutil.rmtree(out_dir)
-        os.rename(tmp, out_dir)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        # two conversions of the same file racing (test sessions sharing a cache): the first one's stands
-        if _same_source(existing_conversion(out_dir), source):
+        target = AtomicDir(out_dir, replace=force)  # what killed runs left beside out_dir goes first
+    except OSError as exc:
+        raise ConversionError(f"{out_dir}: cannot write beside it: {exc.strerror or exc}") from None
+    try:
+        marker = target.tmp / MARKER  # first: the claim, which tells other runs what this one converts
+        atomic_write(marker, json.dumps({"source": str(gguf_file.resolve()), **source}, indent=1) + "\n")
+        if wait_for_writers(out_dir, source, (marker.stat().st_mtime_ns, os.getpid())):
+            target.abort()  # one that claimed out_dir just before this run converted the same GGUF: done
+            return convert(gguf_file, out_dir, force)
+        model, tokenizer = load_gguf(gguf_file)
+        plain = rebuild(model)
+        fill_generation_config(plain, tokenizer)
+        plain.save_pretrained(target.tmp)
+        tokenizer.save_pretrained(target.tmp)
+        target.commit()  # umask modes: mkdtemp's 0700 and safetensors' 0600 would hide a shared target
+    except FileExistsError:  # another conversion finished first (commit refuses to replace it)
+        done = existing_conversion(out_dir)
+        if _same_source(done, source):  # of the same file (test sessions sharing a cache): it stands
             return out_dir
-        raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        raise ConversionError(f"{out_dir} was written meanwhile by another conversion, of "
+                              f"{(done or {}).get('source')}: kept; give --force to replace it") from None
+    except OSError as exc:
+        raise ConversionError(f"{out_dir}: cannot write it: {exc.strerror or exc}") from None
+    finally:
+        target.abort()  # the temporary, unless it was renamed into place
     log.info("wrote %s (float32, %s)", out_dir, type(plain).__name__)
     return out_dir
 
@@ -219,6 +269,7 @@ def parse_args(argv):
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    terminate_cleanly()  # a SIGTERM unwinds: the half-written OUT_DIR is removed
     try:
         gguf_file = packaged_gguf(args.packaged) if args.packaged else Path(args.paths[0])
         convert(gguf_file, Path(args.paths[-1]), force=args.force)

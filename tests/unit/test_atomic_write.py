@@ -139,3 +139,51 @@ def test_dir_write_with_a_fixed_temporary_removes_a_stale_one(tmp_path):
         assert d.tmp == stale and os.listdir(stale) == []
         (d.tmp / "whole.pt").write_bytes(b"whole")
     assert os.listdir(tmp_path) == ["step-1"] and os.listdir(tmp_path / "step-1") == ["whole.pt"]
+
+
+DEAD_PID = int(open("/proc/sys/kernel/pid_max").read()) + 1  # above the kernel's largest: no process has it
+
+
+def test_a_killed_writers_temporaries_are_removed_by_the_next_write_of_the_same_destination(tmp_path):
+    # what SIGKILL leaves: a half file and a half directory under this host's tag and a dead pid
+    half_file = tmp_path / f".out.json.tmp-{DEAD_PID}-{files.HOST_TAG}00000001"
+    half_file.write_text("{")
+    half_dir = tmp_path / f".ds.tmp-{DEAD_PID}-{files.HOST_TAG}00000002"
+    (half_dir / "sub").mkdir(parents=True)
+    live = tmp_path / f".out.json.tmp-{os.getpid()}-{files.HOST_TAG}00000003"  # a writer still running
+    remote = tmp_path / f".out.json.tmp-{DEAD_PID}-{'f' * 6 if files.HOST_TAG != 'f' * 6 else 'e' * 6}00000004"
+    other = tmp_path / f".other.json.tmp-{DEAD_PID}-{files.HOST_TAG}00000005"  # another destination's
+    for p in (live, remote, other):
+        p.write_text("{")
+    atomic_write(tmp_path / "out.json", "{}")
+    with AtomicDir(tmp_path / "ds"):
+        pass
+    assert sorted(os.listdir(tmp_path)) == sorted(["out.json", "ds", live.name, remote.name, other.name])
+
+
+def test_a_destination_moved_aside_by_a_killed_dir_write_is_put_back(tmp_path):
+    # killed between AtomicDir's two renames: the old version aside, the new one not yet in place
+    aside = tmp_path / f".ds.old-{DEAD_PID}-{files.HOST_TAG}00000001"
+    aside.mkdir()
+    (aside / "old.bin").write_bytes(b"old")
+    assert files.remove_stale_temps(tmp_path / "ds") == [aside]
+    assert os.listdir(tmp_path) == ["ds"] and (tmp_path / "ds" / "old.bin").read_bytes() == b"old"
+
+
+def test_sigterm_under_terminate_cleanly_removes_the_temporaries_and_exits_143(tmp_path):
+    import signal
+    before = signal.getsignal(signal.SIGTERM)
+    files.terminate_cleanly()
+
+    def killed_midway(f):
+        f.write(b"half")
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):  # the handler runs at the next bytecode boundary
+            f.write(b"more")
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            with AtomicDir(tmp_path / "ds") as d:
+                atomic_write(d.tmp / "a.bin", killed_midway)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert exit_.value.code == 143 and os.listdir(tmp_path) == []

@@ -1,8 +1,11 @@
 """python -m dflash_dist.models.from_gguf: a GGUF chat model -> a transformers directory."""
+import errno
 import json
+import os
 
 import pytest
 
+from dflash_dist.checkpoints import files
 from dflash_dist.models import from_gguf
 from gguf_fixtures import write_gguf
 
@@ -27,14 +30,70 @@ def tiny_llama():
 
 class FailingTokenizer:
     def save_pretrained(self, path):
-        raise OSError("disk full")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
-def test_a_failed_write_leaves_no_out_dir_and_no_temp(tmp_path, monkeypatch):
+def test_a_full_disk_is_bad_input_naming_out_dir_and_leaves_no_out_dir_and_no_temp(tmp_path, monkeypatch):
     monkeypatch.setattr(from_gguf, "load_gguf", lambda path: (tiny_llama(), FailingTokenizer()))
-    with pytest.raises(OSError, match="disk full"):
-        from_gguf.convert(write_gguf(tmp_path / "m.gguf", "llama"), tmp_path / "target")
+    out = tmp_path / "target"
+    with pytest.raises(from_gguf.ConversionError, match=f"{out}: cannot write it: No space left on device"):
+        from_gguf.convert(write_gguf(tmp_path / "m.gguf", "llama"), out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+
+def test_a_full_disk_found_before_loading_exits_2_naming_the_directory(tmp_path, monkeypatch, caplog):
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(from_gguf, "load_gguf", lambda path: pytest.fail("loaded despite a full disk"))
+    monkeypatch.setattr(files.os, "write", full)  # the start-up probe's write (files.probe_dir)
+    gguf = write_gguf(tmp_path / "m.gguf", "llama")
+    assert from_gguf.main([str(gguf), str(tmp_path / "target")]) == 2
+    assert f"OUT_DIR's directory {tmp_path}: cannot write in it: No space left on device" in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+
+def test_a_stale_temporary_of_a_killed_run_is_removed_by_the_rerun(tmp_path, monkeypatch):
+    monkeypatch.setattr(from_gguf, "load_gguf", lambda path: (tiny_llama(), PlainTokenizer()))
+    dead = _dead_pid()
+    out = tmp_path / "target"
+    stale = tmp_path / f".target.tmp-{dead}-{files.HOST_TAG}0badc0de"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half")
+    from_gguf.convert(write_gguf(tmp_path / "m.gguf", "llama"), out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "target"]
+
+
+def _dead_pid() -> int:
+    """A pid no process has: one above the kernel's largest."""
+    return int(open("/proc/sys/kernel/pid_max").read()) + 1
+
+
+def test_another_conversion_writing_out_dir_is_refused_naming_its_pid_and_gguf(tmp_path, monkeypatch):
+    # what a live run converting b.gguf into out leaves beside it: its temporary, claimed by its marker
+    monkeypatch.setattr(from_gguf, "load_gguf", lambda path: pytest.fail("loaded while another run writes"))
+    other = os.getppid()  # a live process of this host
+    claim = tmp_path / f".target.tmp-{other}-{files.HOST_TAG}12345678"
+    claim.mkdir()
+    (claim / from_gguf.MARKER).write_text(json.dumps({"source": "/models/b.gguf", "size": 1, "sha256": "b"}))
+    with pytest.raises(from_gguf.ConversionError,
+                       match=rf"being written by another conversion \(pid {other}, of /models/b.gguf\)"):
+        from_gguf.convert(write_gguf(tmp_path / "a.gguf", "llama"), tmp_path / "target")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [claim.name, "a.gguf"]
+
+
+def test_a_conversion_finished_meanwhile_is_kept_and_this_one_refused(tmp_path, monkeypatch):
+    # the race the start-up check cannot see: another run's OUT_DIR appears while this one converts
+    out = tmp_path / "target"
+
+    def load_while_another_finishes(path):
+        out.mkdir()
+        (out / from_gguf.MARKER).write_text(json.dumps({"source": "/models/b.gguf", "size": 1, "sha256": "b"}))
+        return tiny_llama(), PlainTokenizer()
+    monkeypatch.setattr(from_gguf, "load_gguf", load_while_another_finishes)
+    with pytest.raises(from_gguf.ConversionError, match="written meanwhile by another conversion, of /models/b.gguf"):
+        from_gguf.convert(write_gguf(tmp_path / "a.gguf", "llama"), out)
+    assert json.loads((out / from_gguf.MARKER).read_text())["source"] == "/models/b.gguf"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.gguf", "target"]
 
 
 class PlainTokenizer:
