@@ -72,10 +72,10 @@ def child(args) -> dict:
     out["regen"] = {"tokens": sum(len(g.ids) for g in got), "seconds": time.perf_counter() - t0}
     ev._shutdown(regen.llm)
     del regen
-    llm = ev._llm(ev.VllmOptions(target=args.target, draft="", block_size=16, kv_cache_gib=0.5,
+    llm = ev._llm(ev.VllmOptions(target=args.target, draft="", block_size=16, context=max_len, kv_cache_gib=0.5,
                                  max_model_len=max_len), "ngram")
-    ev.generate(llm, ps[:1], 4, frozenset())
-    answers, steps, seconds = ev.generate(llm, ps, new, frozenset())
+    ev.generate(llm, ps[:1], [4], frozenset())
+    answers, steps, seconds = ev.generate(llm, ps, [new] * len(ps), frozenset())
     out["eval"] = {"tokens": sum(len(a) for a in answers), "seconds": seconds, "verify_steps": steps}
     ev._shutdown(llm)
     return out

@@ -144,17 +144,21 @@ def run_vllm(args, cfg, sets) -> dict:
     if cfg.model.target.kind != "hf":
         raise EvalInputError("--engine vllm serves a transformers model directory: model.target.kind=hf "
                              "model.target.path=DIR")
+    from dflash_dist.evaluation.loading import check_fit
     export = read_export_config(args.draft)
     from transformers import AutoConfig
     text_cfg = AutoConfig.from_pretrained(cfg.model.target.path, local_files_only=True).get_text_config()
+    # The hf engine's own checks, before any engine starts (minutes on a CPU, a GPU's memory on a node).
+    check_fit(export, text_cfg.vocab_size, text_cfg.hidden_size, text_cfg.num_hidden_layers, args.draft)
     for s in sets:
         s.check_vocab(text_cfg.vocab_size)
     chat = make_chat(cfg, sets, args.thinking)
-    from dflash_dist.evaluation.hf_engine import check_context  # the hf engine's own rule, before any engine starts
-    check_context(args.max_model_len or text_cfg.max_position_embeddings, sets, chat)
+    from dflash_dist.evaluation.hf_engine import check_context
+    context = args.max_model_len or text_cfg.max_position_embeddings
+    check_context(context, sets, chat)
     opts = VllmOptions(target=cfg.model.target.path, draft=str(args.draft), block_size=int(export["block_size"]),
-                       dtype=cfg.model.target.dtype, kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len,
-                       baselines=args.baselines)
+                       context=context, dtype=cfg.model.target.dtype, kv_cache_gib=args.kv_cache_gib,
+                       max_model_len=args.max_model_len, baselines=args.baselines)
     tallies, baselines = run_sets(opts, sets, chat, args.max_new_tokens)
     return report("vllm", opts.block_size, tallies, baselines, ranks=1, device="cuda" if torch.cuda.is_available() else "cpu",
                   max_new_tokens=args.max_new_tokens, thinking=args.thinking, draft=str(args.draft))

@@ -35,10 +35,7 @@ class Options:
 
 def decode_answer(target, drafter, prompt: list[int], stop: frozenset, opts: Options, where: str):
     """(Tally of this one answer, its tokens). The answer stops at the target's context, as regeneration's do."""
-    ctx = target.max_position_embeddings
-    if len(prompt) >= ctx:  # a later turn, grown by the answers before it (first turns are checked up front)
-        raise EvalInputError(f"{where}: prompt of {len(prompt):,} tokens >= the target's context of {ctx:,} positions")
-    new_tokens = min(opts.max_new_tokens, ctx - len(prompt))
+    new_tokens = answer_budget(len(prompt), target.max_position_embeddings, opts.max_new_tokens, where)
     ref = target_greedy(target, prompt, new_tokens, stop)
     out = speculative(target, drafter, prompt, new_tokens, stop, proposer=opts.proposer)
     t = Tally(drafter.spec.block_size, num_turns=1, new_tokens=len(out.tokens), target_s=ref.seconds,
@@ -71,6 +68,15 @@ def run_prompt(target, drafter, pset: PromptSet, i: int, chat: Chat | None, opts
         messages.append({"role": "assistant", "content": chat.answer(out)})
         total.merge(t)
     return total
+
+
+def answer_budget(prompt_len: int, ctx: int, max_new: int, where: str) -> int:
+    """New tokens an answer may take: at most `max_new`, and it stops at the target's context, as
+    regeneration's do. A prompt that fills the context is an input error (a later turn, grown by the
+    answers before it: first turns are checked up front by check_context). Both engines' rule."""
+    if prompt_len >= ctx:
+        raise EvalInputError(f"{where}: prompt of {prompt_len:,} tokens >= the target's context of {ctx:,} positions")
+    return min(max_new, ctx - prompt_len)
 
 
 def check_context(ctx: int, sets: list[PromptSet], chat: Chat | None) -> None:

@@ -52,16 +52,19 @@ def load_drafter_checked(draft_dir: str | Path, dtype: torch.dtype = torch.float
                              f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
 
 
-def check_fit(drafter, target, draft_dir) -> None:
-    s = drafter.spec
-    want = {"vocab_size": target.vocab_size, "hidden_size": target.hidden_size, "num_target_layers": target.num_layers}
-    bad = {k: (getattr(s, k), v) for k, v in want.items() if getattr(s, k) != v}
+def check_fit(export: dict, vocab_size: int, hidden_size: int, num_layers: int, draft_dir) -> None:
+    """The export (its config.json) against the target it is evaluated against, before any decoder or
+    engine starts: both engines call it with the target's own numbers."""
+    dc = export["dflash_config"]
+    want = {"vocab_size": vocab_size, "hidden_size": hidden_size, "num_target_layers": num_layers}
+    bad = {k: (export[k], v) for k, v in want.items() if export[k] != v}
     if bad:
         raise EvalInputError(f"drafter {draft_dir} does not fit the target: " +
                              ", ".join(f"{k} {a} (drafter) != {b} (target)" for k, (a, b) in bad.items()))
-    if not 0 <= s.mask_token_id < target.vocab_size or max(s.target_layer_ids) >= target.num_layers - 1:
-        raise EvalInputError(f"{Path(draft_dir) / 'config.json'}: dflash_config {{mask_token_id {s.mask_token_id}, "
-                             f"target_layer_ids {list(s.target_layer_ids)}}} outside the target's vocabulary or layers")
+    mask, ids = dc["mask_token_id"], list(dc["target_layer_ids"])
+    if not 0 <= mask < vocab_size or max(ids) >= num_layers - 1:
+        raise EvalInputError(f"{Path(draft_dir) / 'config.json'}: dflash_config {{mask_token_id {mask}, "
+                             f"target_layer_ids {ids}}} outside the target's vocabulary or layers")
 
 
 def load_for_eval(draft_dir: str | Path, cfg, device: torch.device):
@@ -69,7 +72,7 @@ def load_for_eval(draft_dir: str | Path, cfg, device: torch.device):
     from dflash_dist.models.build import build_target
     drafter = load_drafter_checked(draft_dir)
     target = build_target(cfg, device)
-    check_fit(drafter, target, draft_dir)
+    check_fit(read_export_config(draft_dir), target.vocab_size, target.hidden_size, target.num_layers, draft_dir)
     drafter = drafter.to(device=device, dtype=target.embed_tokens.weight.dtype).eval()
     drafter.attach_target_head(target.embed_tokens, target.lm_head)
     return target, drafter

@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 
 from dflash_dist.evaluation.chat import Chat
+from dflash_dist.evaluation.hf_engine import answer_budget
 from dflash_dist.evaluation.prompts import EvalInputError, PromptSet
 from dflash_dist.evaluation.results import Tally, answer_digest
 
@@ -46,6 +47,7 @@ class VllmOptions:
     target: str  # the target's model directory
     draft: str  # the export
     block_size: int
+    context: int  # the target's positions (max_model_len where set): an answer stops there
     dtype: str = "auto"  # auto: float32 on CPU, the model's own on GPUs
     kv_cache_gib: float = 0.5  # CPU only
     gpu_memory_utilization: float = 0.85
@@ -104,19 +106,20 @@ def spec_drafts(llm) -> int:
     return sum(int(m.value) for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_drafts")
 
 
-def generate(llm, prompts: list[list[int]], max_new: int, stop: frozenset) -> tuple[list[list[int]], int, float]:
-    """(answers, verify steps of all of them, seconds): the engine's step loop, outputs as deltas."""
+def generate(llm, prompts: list[list[int]], max_new: list[int], stop: frozenset) -> tuple[list[list[int]], int, float]:
+    """(answers, verify steps of all of them, seconds): the engine's step loop, outputs as deltas;
+    `max_new`: each prompt's budget (answer_budget)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
-    # Token-id sets decode a fixed length (no stop), as the hf engine does.
-    params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=not stop, stop_token_ids=sorted(stop),
-                            detokenize=False, output_kind=RequestOutputKind.DELTA)
     engine = llm.llm_engine
     tokens: dict[str, list[int]] = {}
     forwards = 0
     t0 = time.perf_counter()
-    for i, p in enumerate(prompts):
+    for i, (p, m) in enumerate(zip(prompts, max_new)):
+        # Token-id sets decode a fixed length (no stop), as the hf engine does.
+        params = SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=not stop, stop_token_ids=sorted(stop),
+                                detokenize=False, output_kind=RequestOutputKind.DELTA)
         tokens[str(i)] = []
         engine.add_request(str(i), TokensPrompt(prompt_token_ids=p), params)
     while engine.has_unfinished_requests():
@@ -137,17 +140,21 @@ class Decoded:
     answers: list[list[list[int]]]  # [conversation][turn] -> token ids
 
 
-def _turn_prompts(pset: PromptSet, live: list[int], k: int, history, chat: Chat | None):
+def _turn_prompts(pset: PromptSet, live: list[int], k: int, history, chat: Chat | None, context: int,
+                  max_new: int) -> tuple[list[list[int]], list[int], frozenset]:
+    """Turn k's prompts of the live conversations, each one's budget, and the stop tokens."""
     if pset.kind == "ids":
-        return [pset.items[i] for i in live], frozenset()
-    prompts = []
-    for i in live:
-        history[i].append({"role": "user", "content": pset.items[i][k]})
-        prompts.append(chat.render(history[i], f"{pset.source}:{pset.lines[i]} turn {k + 1}"))
-    return prompts, chat.stop
+        prompts, stop = [pset.items[i] for i in live], frozenset()
+    else:
+        prompts, stop = [], chat.stop
+        for i in live:
+            history[i].append({"role": "user", "content": pset.items[i][k]})
+            prompts.append(chat.render(history[i], f"{pset.source}:{pset.lines[i]} turn {k + 1}"))
+    where = [f"{pset.source}:{pset.lines[i]}" + ("" if pset.kind == "ids" else f" turn {k + 1}") for i in live]
+    return prompts, [answer_budget(len(p), context, max_new, w) for p, w in zip(prompts, where)], stop
 
 
-def run_set(llm, B: int, pset: PromptSet, chat: Chat | None, max_new: int) -> Decoded:
+def run_set(llm, B: int, pset: PromptSet, chat: Chat | None, max_new: int, context: int) -> Decoded:
     """Every conversation turn by turn on one engine, each continuing with this engine's own answers."""
     tally = Tally(B, num_prompts=len(pset.items))
     history: list[list[dict]] = [[] for _ in pset.items]
@@ -156,8 +163,8 @@ def run_set(llm, B: int, pset: PromptSet, chat: Chat | None, max_new: int) -> De
     turns = 1 if pset.kind == "ids" else max(len(t) for t in pset.items)
     for k in range(turns):
         live = [i for i in range(len(pset.items)) if pset.kind == "ids" or k < len(pset.items[i])]
-        prompts, stop = _turn_prompts(pset, live, k, history, chat)
-        out, steps, seconds = generate(llm, prompts, max_new, stop)
+        prompts, budgets, stop = _turn_prompts(pset, live, k, history, chat, context, max_new)
+        out, steps, seconds = generate(llm, prompts, budgets, stop)
         tally.num_turns += len(live)
         tally.new_tokens += sum(len(o) for o in out)
         tally.num_steps += steps
@@ -189,14 +196,14 @@ def compare(pset: PromptSet, name: str, got: Decoded, ref: Decoded, target_s: fl
 def warm_up(llm, B: int) -> None:
     """One short decode before anything is timed (first-call allocations, kernel selection), as the hf
     engine does; the counters are read after it, so it counts in no set."""
-    generate(llm, [[i % 7 + 1 for i in range(2 * B)]], B, frozenset())
+    generate(llm, [[i % 7 + 1 for i in range(2 * B)]], [B], frozenset())
 
 
 def decode_all(opts: VllmOptions, method: str, sets: list[PromptSet], chat: Chat | None, max_new: int) -> list[Decoded]:
     llm = _llm(opts, method)
     try:
         warm_up(llm, opts.block_size)
-        done = [run_set(llm, opts.block_size, pset, chat, max_new) for pset in sets]
+        done = [run_set(llm, opts.block_size, pset, chat, max_new, opts.context) for pset in sets]
     finally:
         _shutdown(llm)
     for pset, d in zip(sets, done):
@@ -212,6 +219,8 @@ def run_sets(opts: VllmOptions, sets: list[PromptSet], chat: Chat | None,
         import vllm  # noqa: F401
     except ImportError as exc:
         raise EvalInputError("--engine vllm: vLLM is not installed (VLLM=1 bash launch/setup.sh installs it)") from exc
+    from dflash_dist.data.regen import reaper
+    reaper.start()  # the engines' processes die with this one, however it ends (SIGKILL included: reaper.py)
     methods = ["target", *(["ngram"] if opts.baselines else []), "dflash"]
     decoded = {m: decode_all(opts, m, sets, chat, max_new) for m in methods}
     ref = decoded["target"]

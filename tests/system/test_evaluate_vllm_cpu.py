@@ -42,7 +42,7 @@ def test_both_vllm_engines_note_the_binding_and_keep_vllms(recorder, engine, cap
         VllmEngine(EngineSpec(name="vllm", target="T", tokenizer="T"), stop_ids=[])
     else:
         from dflash_dist.evaluation.vllm_engine import VllmOptions, _llm
-        _llm(VllmOptions(target="T", draft="D", block_size=4), "ngram")
+        _llm(VllmOptions(target="T", draft="D", block_size=4, context=64), "ngram")
     assert [s["env"] for s in recorder.seen] == [None]  # vLLM's own binding: one core reserved
     assert "binds its model worker to 1 of the 2 cores" in caplog.text
 
@@ -51,7 +51,7 @@ def test_both_vllm_engines_note_the_binding_and_keep_vllms(recorder, engine, cap
 def test_ngram_baseline_proposes_as_many_tokens_as_the_drafter(recorder):
     from dflash_dist.evaluation.vllm_engine import VllmOptions, _llm
     for method in ("target", "ngram", "dflash"):
-        _llm(VllmOptions(target="T", draft="D", block_size=16), method)
+        _llm(VllmOptions(target="T", draft="D", block_size=16, context=64), method)
     configs = [s["kw"].get("speculative_config") for s in recorder.seen]
     assert configs == [None, {"method": "ngram", "num_speculative_tokens": 15, "prompt_lookup_max": 4,
                               "prompt_lookup_min": 2},

@@ -136,3 +136,18 @@ def test_named_benchmarks_are_cached_as_turns_files(tmp_path, monkeypatch):
     n = len(calls)
     load_bench("gsm8k", tmp_path)  # cached: not loaded again
     assert len(calls) == n
+
+
+def test_the_vllm_engine_refuses_a_drafter_of_another_target_before_any_engine_starts(tmp_path, caplog, draft):
+    """The hf engine's fit check, in the vLLM engine too: before vLLM is imported (an engine start is
+    minutes on a CPU and a GPU's memory on a node), exit 2 naming both numbers."""
+    from evaluate_fixtures import save_target, target_overrides
+    model_dir = save_target(tmp_path / "target")  # 4 layers
+    other = copy_export(draft, tmp_path / "other")
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["num_target_layers"] = 6
+    (other / "config.json").write_text(json.dumps(cfg))
+    had_vllm = "vllm" in sys.modules
+    rc, err = run(["--draft", str(other), "--engine", "vllm", *target_overrides(model_dir)], caplog)
+    assert rc == 2 and "does not fit the target" in err and "num_target_layers 6 (drafter) != 4 (target)" in err, err
+    assert had_vllm or "vllm" not in sys.modules, "the check must come before the engine"
