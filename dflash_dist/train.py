@@ -136,8 +136,14 @@ def check_eval_bench(cfg: Config, target) -> None:
         return
     if not cfg.train.eval_bench:
         return  # the synthetic held-out set
+    from dflash_dist.evaluation.hf_engine import check_context
     from dflash_dist.evaluation.measure import eval_bench_set
-    eval_bench_set(cfg, target)
+    from dflash_dist.evaluation.prompts import EvalInputError
+    pset, chat = eval_bench_set(cfg, target)
+    try:  # evaluate's own rule: a prompt the target cannot answer fails the first tau, hours in, otherwise
+        check_context(target.max_position_embeddings, [pset], chat)
+    except EvalInputError as exc:
+        raise ConfigError(f"config key 'train.eval_bench': {exc}") from exc
 
 
 def preflight(cfg: Config, ctx: DistContext, ds, plans) -> None:

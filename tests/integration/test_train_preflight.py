@@ -103,3 +103,35 @@ def test_a_bad_eval_bench_is_exit_2_on_every_rank_before_training(tmp_path):
     for r in range(3):
         assert re.search(rf"\[rank{r} \w+\] .*config key 'train.eval_bench': .*bench.jsonl", out), (r, out[-3000:])
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_an_eval_bench_prompt_over_the_targets_context_is_exit_2_on_every_rank_before_training(tmp_path):
+    """Prepared data, tau every 2 steps on train.eval_bench, whose line 2 fills the target's 64 positions:
+    refused at start naming the file and line (as python -m dflash_dist.evaluate refuses it), not at the
+    first tau measurement."""
+    import json
+
+    import torch
+    import transformers
+
+    from dflash_dist.config import load_config
+    from dflash_dist.data.disk import write_dataset
+    from dflash_dist.data.synthetic import synthetic_dataset
+    torch.manual_seed(0)
+    shape = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False)
+    model_dir = tmp_path / "target"
+    transformers.AutoModelForCausalLM.from_config(transformers.Qwen3Config(**shape)).save_pretrained(model_dir)
+    syn = load_config(None, ["data.synthetic.num_samples=48", "data.synthetic.min_len=20",
+                             "data.synthetic.max_len=40"]).data.synthetic
+    data = write_dataset(tmp_path / "prepared", synthetic_dataset(syn, shape["vocab_size"]))
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text(json.dumps([1, 2, 3]) + "\n" + json.dumps([5] * 70) + "\n")
+    res = torchrun(3, ["model.target.kind=hf", f"model.target.path={model_dir}", "model.draft.target_layer_ids=[0,1,2]",
+                       f"data.path={data}", "train.epochs=1", f"train.eval_bench={bench}", "train.eval_prompts=2",
+                       "train.eval_every_steps=2"], tmp_path / "run", timeout=180)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0 and re.search(r"exitcode\s*:\s*2", out), out[-3000:]
+    assert _every_rank_says(out, "config key 'train.eval_bench': 1 prompt(s) of at least the target's context of 64 "
+                                 f"positions, which it cannot answer: {bench}:2 (70 tokens)"), out[-3000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -70,3 +70,22 @@ def test_the_memory_model_counts_the_whole_target_where_rank_0_measures_tau():
                         f"{with_target.terms['whole_target'] / 2**30:.1f} GiB, and tau is measured after the run)")
     head_msg = M.preflight_message(M.predict(cfg, shapes, worst, 20.0), "drafter")
     assert head_msg and "eval_prompts" not in head_msg
+
+
+class _ShortTarget:
+    """What train's start-of-run check reads of a target: a context of 16 positions."""
+    kind, vocab_size, max_position_embeddings = "tiny", 128, 16
+
+
+def test_an_eval_bench_prompt_longer_than_the_targets_context_is_refused_at_start(tmp_path):
+    from dflash_dist.config import ConfigError, load_config
+    from dflash_dist.train import check_eval_bench
+    from evaluate_fixtures import write_jsonl
+    bench = write_jsonl(tmp_path / "bench.jsonl", [[1, 2, 3], list(range(20)), [4, 5]])
+    cfg = load_config(None, [f"data.path={tmp_path / 'prepared'}", f"train.eval_bench={bench}",
+                             "train.eval_prompts=3", "train.eval_every_steps=6"])
+    with pytest.raises(ConfigError, match=rf"config key 'train.eval_bench': 1 prompt\(s\) of at least the target's "
+                                          rf"context of 16 positions, .*: {bench}:2 \(20 tokens\)"):
+        check_eval_bench(cfg, _ShortTarget())
+    cfg.train.eval_prompts = 1  # the run measures only the first prompt: nothing to refuse
+    check_eval_bench(cfg, _ShortTarget())
