@@ -112,14 +112,20 @@ class DraftConfig:
     checkpoint_layers: bool = False  # recompute each draft layer in backward (activations: one layer's)
     # dflash: the DFlash drafter; dflash2: DFlash 2 (models/dflash2.py), a grouped dynamic convolution
     # around each attention and MLP sublayer and a candidate path selector over the unary top-K.
+    # dspark: DSpark (models/variants/dspark.py), "anchor as first" blocks (every slot drafts the next
+    # token: B per block) with a low-rank Markov bias on each slot's logits and a confidence head.
     # The names of models/variants' registry (tests/unit check the two agree; config imports nothing).
-    variant: str = one_of("dflash", "dflash", "dflash2")
+    variant: str = one_of("dflash", "dflash", "dflash2", "dspark")
     conv_kernel_size: int = num(2, ge=1)  # dflash2: taps of the convolution (in-block rows it reads)
     conv_group_size: int = num(16, ge=1)  # dflash2: channels per delta group (must divide the hidden size)
     selector_top_k: int = num(16, ge=1)  # dflash2: candidates per drafted position
     selector_rank: int = num(256, ge=1)  # dflash2: rank R of the codebooks (vocab x R each)
     output_multiplier: float = num(1.0, gt=0)  # dflash2: the selector's unary logits x this, then soft-capped
     final_logit_softcapping: float = num(0.0, ge=0)  # dflash2: cap * tanh(z / cap); 0 = none
+    markov_rank: int = num(256, ge=1)  # dspark: rank r of the Markov bias W2 . W1[prev] (V x r each)
+    markov_head_type: str = one_of("vanilla", "vanilla")  # dspark: the bias as vLLM 0.32's Qwen3 DSpark serves it
+    enable_confidence_head: bool = True  # dspark: sigmoid(w . [h; W1[prev]] + b), an acceptance estimate per slot
+    confidence_head_with_markov: bool = False  # dspark: the confidence head also reads W1[prev]
 
 
 @dataclass
@@ -189,6 +195,11 @@ class ObjectiveConfig:
     # loss (1.0: speculators' and SpecForge's default); selector_detach: none of its gradient into the backbone.
     selector_weight: float = num(1.0, ge=0)
     selector_detach: bool = False
+    # dspark: the terms of its loss (models/variants/dspark_loss.py): cross-entropy on the data token, the
+    # L1 distance to the target's distribution and the confidence head's BCE (the DSpark paper's 0.1 / 0.9 / 1).
+    dspark_ce_weight: float = num(0.1, ge=0)
+    dspark_l1_weight: float = num(0.9, ge=0)
+    dspark_confidence_weight: float = num(1.0, ge=0)
 
 
 @dataclass
@@ -368,6 +379,7 @@ def validate(cfg: Config) -> None:
     if t.num_heads % t.num_kv_heads:
         raise ConfigError("config key 'model.target.num_kv_heads': must divide model.target.num_heads")
     _check_conv_taps(cfg)
+    _check_dspark(cfg)
 
 
 def _check_conv_taps(cfg: Config) -> None:
@@ -379,6 +391,23 @@ def _check_conv_taps(cfg: Config) -> None:
     if cfg.model.draft.variant == "dflash2" and k > b + 1:
         raise ConfigError(f"config key 'model.draft.conv_kernel_size': {k} exceeds objective.block_size + 1 "
                           f"({b} + 1): the convolution's taps read rows of one block only")
+
+
+def _check_dspark(cfg: Config) -> None:
+    """DSpark trains on the data's tokens with its own terms and decay (models/variants/dspark_loss.py),
+    its teacher the target's final hidden state, which only a target rank's packet carries."""
+    if cfg.model.draft.variant != "dspark":
+        return
+    o = cfg.objective
+    if o.labels != "data":
+        raise ConfigError(f"config key 'objective.labels': {o.labels!r} with model.draft.variant=dspark, whose loss "
+                          "distils the target's whole distribution already (use data)")
+    if o.position_weights != "gamma":
+        raise ConfigError("config key 'objective.position_weights': dspark weighs its slots by exp(-k/gamma) "
+                          "under the prefix rule (use gamma)")
+    if cfg.roles.mode != "disaggregated":
+        raise ConfigError("config key 'roles.mode': dspark's target features come from target ranks "
+                          "(use disaggregated)")
 
 
 def _check_liveness(d: "DistConfig") -> None:

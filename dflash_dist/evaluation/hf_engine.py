@@ -38,7 +38,7 @@ def decode_answer(target, drafter, prompt: list[int], stop: frozenset, opts: Opt
     new_tokens = answer_budget(len(prompt), target.max_position_embeddings, opts.max_new_tokens, where)
     ref = target_greedy(target, prompt, new_tokens, stop)
     out = speculative(target, drafter, prompt, new_tokens, stop, proposer=opts.proposer)
-    t = Tally(drafter.spec.block_size, num_turns=1, new_tokens=len(out.tokens), target_s=ref.seconds,
+    t = Tally(drafter.spec.step_tokens, num_turns=1, new_tokens=len(out.tokens), target_s=ref.seconds,
               speculative_s=out.seconds, answer_digests=[answer_digest(out.tokens)])
     t.add_steps(out.accepted)
     if out.tokens != ref.tokens:
@@ -55,7 +55,7 @@ def decode_answer(target, drafter, prompt: list[int], stop: frozenset, opts: Opt
 def run_prompt(target, drafter, pset: PromptSet, i: int, chat: Chat | None, opts: Options) -> Tally:
     """One prompt of a set: a token-id prompt (fixed length, no stop token) or a whole conversation."""
     where = f"{pset.source}:{pset.lines[i]}"
-    total = Tally(drafter.spec.block_size, num_prompts=1)
+    total = Tally(drafter.spec.step_tokens, num_prompts=1)
     if pset.kind == "ids":
         t, _ = decode_answer(target, drafter, pset.items[i], frozenset(), opts, where)
         total.merge(t)
@@ -129,7 +129,7 @@ def run_sets(target, drafter, sets: list[PromptSet], chat: Chat | None, opts: Op
     for _, exc in parts:
         if exc is not None:
             raise exc
-    tallies = {pset.name: Tally(drafter.spec.block_size) for pset in sets}
+    tallies = {pset.name: Tally(drafter.spec.step_tokens) for pset in sets}
     for s, i, t in sorted((r for part, _ in parts for r in part), key=lambda r: r[:2]):
         tallies[sets[s].name].merge(t)
     return tallies

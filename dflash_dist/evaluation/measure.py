@@ -14,7 +14,7 @@ def acceptance_length(target, drafter, prompts: Sequence[Sequence[int]], max_new
     """tau over all verify steps of token-id prompts (fixed length, no stop token), with the check that
     speculative output == the target's greedy output (a mismatch is counted and logged: bf16 can flip a
     near-tie; strict=True raises SpeculativeMismatch instead)."""
-    total, per_prompt = Tally(drafter.spec.block_size), []
+    total, per_prompt = Tally(drafter.spec.step_tokens), []
     was_training = drafter.training
     drafter.eval()
     try:

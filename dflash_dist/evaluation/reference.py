@@ -29,7 +29,7 @@ def greedy_generate(target, prompt_ids: Sequence[int], n: int) -> list[int]:
 
 @torch.no_grad()
 def propose_block(drafter, features: torch.Tensor, seq: Sequence[int]) -> list[int]:
-    """The drafter's B-1 tokens after the anchor seq[-1], given target features of seq[:-1]."""
+    """The drafter's tokens after the anchor seq[-1] (B - 1, or B for DSpark), given target features of seq[:-1]."""
     anchor = len(seq) - 1
     dev = features.device
     # The anchor's own feature row is never attended (context is strictly before it): zeros fill it.
@@ -49,7 +49,6 @@ def speculative_generate(target, drafter, prompt_ids: Sequence[int], max_new_tok
     and B tokens; the output is cut at max_new_tokens, the step's acceptance is counted whole.
     `propose(drafter, features, seq)`: `propose_block` unless given (the tests' oracles bring their own)."""
     layer_ids = list(drafter.spec.target_layer_ids)
-    B = drafter.spec.block_size
     seq = [int(t) for t in prompt_ids]
     if not seq:
         raise ValueError("speculative_generate needs a non-empty prompt")
@@ -60,9 +59,9 @@ def speculative_generate(target, drafter, prompt_ids: Sequence[int], max_new_tok
         anchor = len(seq) - 1
         draft = propose(drafter, feats, seq)
         feats, logits = _run_target(target, seq + draft, layer_ids)
-        choice = logits[anchor:anchor + B].argmax(-1).tolist()  # target's token for anchor+1 .. anchor+B
+        choice = logits[anchor:anchor + len(draft) + 1].argmax(-1).tolist()  # target's token for anchor+1 ..
         a = 0
-        while a < B - 1 and draft[a] == choice[a]:
+        while a < len(draft) and draft[a] == choice[a]:  # B - 1 drafts, or B (anchor as first: DSpark)
             a += 1
         # feats stay valid up to the new anchor: every position before it holds an accepted token.
         seq += draft[:a] + [choice[a]]

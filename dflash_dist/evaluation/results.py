@@ -26,7 +26,7 @@ from dflash_dist.checkpoints.files import write_json
 
 @dataclass
 class Tally:
-    block_size: int
+    block_size: int  # the most tokens a verify step commits (the block size; DSpark's: B + 1, `DraftSpec.step_tokens`)
     num_prompts: int = 0  # conversations (or token-id prompts)
     num_turns: int = 0  # decoded answers: one per turn of each conversation
     num_steps: int = 0
@@ -52,7 +52,10 @@ class Tally:
     def merge(self, other: "Tally") -> None:
         for name in ("num_prompts", "num_turns", "num_steps", "new_tokens", "target_s", "speculative_s", "mismatches"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        self.accepted_per_position = [a + b for a, b in zip(self.accepted_per_position, other.accepted_per_position)]
+        mine, theirs = self.accepted_per_position, other.accepted_per_position
+        if len(theirs) > len(mine):  # an overall tally of the block size, DSpark's tallies one position longer
+            mine = mine + [0] * (len(theirs) - len(mine))
+        self.accepted_per_position = [a + b for a, b in zip(mine, theirs + [0] * (len(mine) - len(theirs)))]
         self.answer_digests = self.answer_digests + other.answer_digests
         if other.proposal_steps is not None:
             self.proposal_steps = (self.proposal_steps or 0) + other.proposal_steps
@@ -61,7 +64,7 @@ class Tally:
         """Share of steps committing 1..B tokens, from the per-position counts (acceptance is a prefix)."""
         at_least = [self.num_steps] + self.accepted_per_position + [0]  # steps committing >= j + 1 tokens
         return [(at_least[j] - at_least[j + 1]) / self.num_steps if self.num_steps else 0.0
-                for j in range(self.block_size)]
+                for j in range(len(self.accepted_per_position) + 1)]
 
     def to_json(self) -> dict:
         steps = self.num_steps

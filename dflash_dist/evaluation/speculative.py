@@ -124,10 +124,10 @@ def speculative(target, drafter, prompt: Sequence[int], max_new: int, stop: froz
     while (end := _finished(seq[len(prompt):], max_new, stop)) is None:
         anchor = len(seq) - 1
         block = draft.propose(seq)
-        feats, logits = cache.extend([seq[-1]] + block)  # positions anchor .. anchor + B - 1
-        choice = logits.argmax(-1).tolist()  # the target's token for anchor + 1 .. anchor + B
+        feats, logits = cache.extend([seq[-1]] + block)  # positions anchor .. anchor + len(block)
+        choice = logits.argmax(-1).tolist()  # the target's token for anchor + 1 .. anchor + len(block) + 1
         a = 0
-        while a < B - 1 and block[a] == choice[a]:
+        while a < len(block) and block[a] == choice[a]:  # B - 1 drafts, or B (anchor as first: DSpark)
             a += 1
         cache.crop(anchor + a + 1)  # the anchor and the accepted drafts stay; the rest was never said
         draft.add(feats[:a + 1])

@@ -73,7 +73,9 @@ def draft_spec(cfg: Config, target) -> DraftSpec:
         max_position_embeddings=target.max_position_embeddings, variant=d.variant,
         conv_kernel_size=d.conv_kernel_size, conv_group_size=d.conv_group_size, selector_top_k=d.selector_top_k,
         selector_rank=d.selector_rank, output_multiplier=d.output_multiplier,
-        final_logit_softcapping=d.final_logit_softcapping)
+        final_logit_softcapping=d.final_logit_softcapping, markov_rank=d.markov_rank,
+        markov_head_type=d.markov_head_type, enable_confidence_head=d.enable_confidence_head,
+        confidence_head_with_markov=d.confidence_head_with_markov)
 
 
 def build_drafter(spec: DraftSpec, target, seed: int, device: torch.device,

@@ -39,7 +39,8 @@ class DraftSpec:
     # The target's context length, exported as the drafter's: the engines feed the drafter positions up
     # to the target's, and SGLang refuses a draft with a shorter context (docs/serving.md).
     max_position_embeddings: int = 40960
-    # A name of models/variants' registry: `dflash`, `dflash2` (the grouped convolution and the selector).
+    # A name of models/variants' registry: `dflash`, `dflash2` (the grouped convolution and the selector),
+    # `dspark` (anchor-as-first blocks, the Markov bias and the confidence head).
     variant: str = "dflash"
     conv_kernel_size: int = 2
     conv_group_size: int = 16
@@ -47,11 +48,21 @@ class DraftSpec:
     selector_rank: int = 256
     output_multiplier: float = 1.0  # the selector's unary scores: logits x this, then soft-capped
     final_logit_softcapping: float = 0.0  # 0: no cap
+    markov_rank: int = 256  # dspark: the rank of W1 (V x r) and W2 (V x r)
+    markov_head_type: str = "vanilla"
+    enable_confidence_head: bool = True
+    confidence_head_with_markov: bool = False
 
     @property
     def family(self) -> Variant:
         """The variant object: its modules, loss term, export contract and decode step."""
         return variant_of(self.variant)
+
+    @property
+    def step_tokens(self) -> int:
+        """The most tokens one verify step commits: the block's drafts and the bonus token (B; DSpark's
+        anchor-as-first blocks B + 1). What the evaluation's tallies count positions up to."""
+        return self.family.drafts(self.block_size) + 1
 
 
 class DraftLayer(DecoderLayer):
@@ -114,7 +125,10 @@ class DFlashDrafter(nn.Module):
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
         """(N, n_layers*H) target features -> (N, H) fused context. Under autocast the features go to
-        `fc` as they are (bf16): a float32 copy of a 49K-token batch would be 3.8 GiB for nothing."""
+        `fc` as they are (bf16): a float32 copy of a 49K-token batch would be 3.8 GiB for nothing. Columns past the
+        captured layers' (DSpark's target final state, `Variant.final_hidden_features`) are not the context's."""
+        if features.shape[-1] != self.fc.in_features:
+            features = features[..., :self.fc.in_features]
         if not torch.is_autocast_enabled(features.device.type):
             features = features.to(self.fc.weight.dtype)
         return self.hidden_norm(self.fc(features))

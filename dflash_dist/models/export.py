@@ -4,7 +4,9 @@ config.json: a Qwen3 config of the drafter plus block_size, num_target_layers an
 dflash_config {mask_token_id, target_layer_ids}, with the target's max_position_embeddings;
 model.safetensors: layers.*, fc.weight, hidden_norm.weight, norm.weight only (the embedding and LM head
 are the target's; DFlash 2 adds `layers.N.{attention_conv,mlp_conv}.*` and `candidate_selector.*`, the
-architecture DFlash2DraftModel and its dflash_config keys, as z-lab's dflash2 fixture has them); README.md: a model card saying what it was trained against and on, its tau, and the
+architecture DFlash2DraftModel and its dflash_config keys, as z-lab's dflash2 fixture has them; DSpark
+adds `markov_head.*` and `confidence_head.*` (float32), the architecture Qwen3DSparkModel and its
+top-level keys, vLLM 0.32's qwen3_dspark.py contract); README.md: a model card saying what it was trained against and on, its tau, and the
 exact settings that serve it in SGLang and vLLM (docs/serving.md says why each matters).
 """
 from __future__ import annotations
@@ -63,8 +65,8 @@ def serving_settings(spec: DraftSpec, draft: str = "EXPORT_DIR", target: str = "
     `num_speculative_tokens` mask slots after the bonus token and does not read block_size, so it must be
     B - 1, given explicitly (a wrong value silently serves another block); it infers the method only from
     "dflash" in the draft's path. SGLang reads block_size from config.json."""
-    k = spec.block_size - 1
-    vllm_spec = {"method": "dflash", "model": draft, "num_speculative_tokens": k}
+    k = spec.family.drafts(spec.block_size)
+    vllm_spec = {"method": spec.family.vllm_method, "model": draft, "num_speculative_tokens": k}
     return {
         "vllm": {"speculative_config": vllm_spec,
                  "command": f"vllm serve {target} --speculative-config '{json.dumps(vllm_spec)}'"},
@@ -81,11 +83,13 @@ def model_card(spec: DraftSpec, facts: dict | None = None) -> str:
     facts = facts or {}
     target = facts.get("target") or "TARGET"
     serve = serving_settings(spec, "EXPORT_DIR", target)
+    k = serve["vllm"]["speculative_config"]["num_speculative_tokens"]
     data = facts.get("data") or {}
     tau = facts.get("tau")
     rows = [("target", f"`{target}`: {spec.num_target_layers} layers, hidden size {spec.hidden_size}, "
                        f"vocabulary {spec.vocab_size}, context {spec.max_position_embeddings}"),
-            ("block size", f"{spec.block_size} (the bonus token + {spec.block_size - 1} drafted)"),
+            ("block size", f"{spec.block_size} (the bonus token + {spec.block_size - 1} drafted)" if k == spec.block_size - 1
+                           else f"{spec.block_size} (the bonus token first, {k} drafted: every slot)"),
             ("mask token id", str(spec.mask_token_id)),
             ("target layer ids", f"{list(spec.target_layer_ids)} (ascending, as the engines concatenate them)"),
             ("drafter", f"{spec.num_layers} layers, {spec.num_heads} / {spec.num_kv_heads} heads x {spec.head_dim}")]
@@ -108,7 +112,7 @@ target's). Replace EXPORT_DIR by this directory's path.
 
 ## Serve it with vLLM
 
-`num_speculative_tokens` must be {spec.block_size - 1} (block size - 1): vLLM does not read `block_size`.{notes.get("vllm", "")}
+`num_speculative_tokens` must be {k} ({"block size - 1" if k == spec.block_size - 1 else "the block size"}): vLLM does not read `block_size`.{notes.get("vllm", "")}
 
 ```bash
 {v["command"]}
@@ -139,7 +143,9 @@ def export_drafter(spec: DraftSpec, state: dict, out_dir: Path, dtype: torch.dty
     out_dir atomically (a temporary directory renamed into place)."""
     cfg = export_config(spec)
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
-    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
+    keep = spec.family.float32_prefixes  # tensors the engine holds in float32 (DSpark's confidence head)
+    tensors = {k: v.detach().to("cpu", torch.float32 if k.startswith(keep) else dtype).contiguous()
+               for k, v in state.items()}
     with AtomicDir(out_dir, replace=True) as d:
         (d.tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         save_file(tensors, str(d.tmp / "model.safetensors"), metadata={"format": "pt"})

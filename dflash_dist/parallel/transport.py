@@ -3,7 +3,8 @@
 A packet is three contiguous tensors, sent in this order on the data backend's device:
   header   int64 (HEADER_LEN,): magic, epoch, batch, tokens, seqs, feature dim, sender compute/wait us
   meta     int64 (2N + S + 1,): token ids | loss mask | cu_seqlens
-  features (N, F) in the transfer dtype: the captured layers concatenated on the feature axis
+  features (N, F) in the transfer dtype: the captured layers concatenated on the feature axis (and, for
+           a variant that asks, `final_hidden_features`, the target's final-normed last state after them)
 With distillation labels (`objective.labels` != data) the target's predictions ride along (TargetLabels):
   meta     int64 (2N + S + 1 + wN,): ... | the target's ids per token, row-major (N, w): w = 1 for
            target_argmax (its argmax), w = k for target_soft (its top-k indices, best first)
@@ -116,7 +117,9 @@ def packet_spec(cfg: Config, spec: DraftSpec, device: torch.device) -> PacketSpe
     """The one packet specification of a run (sender and receiver both build it from the config)."""
     t = cfg.transport.dtype
     dtype = compute_dtype(cfg.model.target.dtype if t == "auto" else t, device)
-    return PacketSpec(feat_dim=len(spec.target_layer_ids) * spec.hidden_size, dtype=dtype,
+    # A variant may ask for the target's final-normed hidden state as one more H-wide block (DSpark's teacher).
+    blocks = len(spec.target_layer_ids) + int(spec.family.final_hidden_features)
+    return PacketSpec(feat_dim=blocks * spec.hidden_size, dtype=dtype,
                       label_width=target_label_width(cfg.objective.labels, cfg.objective.soft_top_k),
                       soft=cfg.objective.labels == "target_soft")
 

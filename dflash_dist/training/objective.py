@@ -48,19 +48,25 @@ def draw_anchors(loss_mask, cu_seqlens, num_anchors: int, gen: torch.Generator):
     return anchors, anchor_cu
 
 
-def block_labels(input_ids, loss_mask, cu_seqlens, anchors, anchor_cu, block_size: int, gamma: float):
+def block_labels(input_ids, loss_mask, cu_seqlens, anchors, anchor_cu, block_size: int, gamma: float,
+                 anchor_drafts: bool = False, prefix: bool = False):
     """labels (A, B) (-100 where untrained) and weights (A, B): exp(-(k-1)/gamma) for slot k >= 1 whose
-    target anchor+k lies inside the anchor's sequence and the loss mask; 0 elsewhere and in slot 0."""
+    target anchor+k lies inside the anchor's sequence and the loss mask; 0 elsewhere and in slot 0.
+    A variant's layout (`Variant.anchor_drafts`, DSpark's): slot k's target is anchor+k+1, every slot
+    trains, weight exp(-k/gamma); with `prefix` a slot after an untrained one trains neither."""
     dev = input_ids.device
-    B = block_size
+    B, first = block_size, int(anchor_drafts)  # first: the offset of slot 0's target
     seq_end = torch.repeat_interleave(cu_seqlens[1:], anchor_cu[1:] - anchor_cu[:-1])  # (A,)
-    pos = anchors[:, None] + torch.arange(B, device=dev)  # (A, B)
+    pos = anchors[:, None] + torch.arange(first, B + first, device=dev)  # (A, B)
     inside = pos < seq_end[:, None]
     pos_c = pos.clamp(max=input_ids.numel() - 1)
     valid = inside & loss_mask[pos_c]
-    valid[:, 0] = False
+    if not anchor_drafts:
+        valid[:, 0] = False
+    if prefix:
+        valid[:, 1 - first:] = valid[:, 1 - first:].cumprod(1).bool()
     labels = torch.where(valid, input_ids[pos_c], torch.full_like(pos_c, -100))
-    decay = torch.exp(-(torch.arange(B, device=dev, dtype=torch.float32) - 1) / gamma)
+    decay = torch.exp(-(torch.arange(B, device=dev, dtype=torch.float32) - (1 - first)) / gamma)
     weights = valid.float() * decay
     return labels, weights
 
@@ -256,6 +262,13 @@ def _metrics(pred: torch.Tensor, labels: torch.Tensor, loss_sum: torch.Tensor, w
     run = accepted_lengths(hit[:, 1:])
     return StepMetrics(loss_sum=loss_sum, weight_sum=weight_sum, correct=hit.sum(0), valid=valid.sum(0),
                        accept_sum=run.sum(), num_blocks=labels.shape[0])
+
+
+def no_head_loss(labels: torch.Tensor, weights: torch.Tensor):
+    """(a zero loss, the metrics of no prediction) for a variant whose `loss_term` is the whole loss
+    (`Variant.unary_loss` False): the labels and weights counted, nothing hit."""
+    zero = weights.new_zeros((), dtype=torch.float32)
+    return zero, _metrics(torch.full_like(labels, -1), labels, zero, weights.sum())
 
 
 def lm_head_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,

@@ -22,12 +22,12 @@ from typing import Any, Callable
 
 import torch
 
-from dflash_dist.config import ObjectiveConfig, loss_gamma
+from dflash_dist.config import ObjectiveConfig
 from dflash_dist.data.collate import PackedBatch
 from dflash_dist.models.drafter import DFlashDrafter, DraftSpec, anchor_seq_starts
 from dflash_dist.models.variants import LossChunk
 from dflash_dist.training.objective import (StepMetrics, argmax_block_labels, block_labels, lm_head_loss,
-                                   loss_denominator, soft_block_targets)
+                                   loss_denominator, no_head_loss, soft_block_targets)
 from dflash_dist.parallel.transport import TargetLabels
 
 
@@ -61,7 +61,7 @@ def step_settings(objective: ObjectiveConfig, spec: DraftSpec, autocast_dtype: t
         raise ValueError(f"objective.block_size {objective.block_size} differs from the built spec's {spec.block_size}")
     dpace = objective.position_weights == "dpace"
     return StepSettings(
-        block_size=spec.block_size, gamma=loss_gamma(objective), anchor_chunk=objective.anchor_chunk,
+        block_size=spec.block_size, gamma=spec.family.gamma(objective), anchor_chunk=objective.anchor_chunk,
         loss_rows=objective.loss_rows, batch_mean=objective.loss_norm != "step",
         dpace_alpha=objective.dpace_alpha if dpace else None,
         autocast_dtype=autocast_dtype,
@@ -79,11 +79,13 @@ class StepBatch:
     anchor_cu: torch.Tensor
 
 def batch_targets(batch: PackedBatch, target: TargetLabels | None, anchors, anchor_cu, block_size: int,
-                  gamma: float, dpace: bool = False):
+                  gamma: float, dpace: bool = False, variant=None):
     """(labels (A, B), weights (A, B), soft (probs, ids) or None) for the objective's label kind. With
-    `dpace` the weights are 1 on every trained slot: D-PACE's, computed with the loss, replace the decay."""
+    `dpace` the weights are 1 on every trained slot: D-PACE's, computed with the loss, replace the decay.
+    `variant`: its block layout (`anchor_drafts`, `prefix_labels`); None: DFlash's."""
+    layout = {} if variant is None else dict(anchor_drafts=variant.anchor_drafts, prefix=variant.prefix_labels)
     labels, weights = block_labels(batch.input_ids, batch.loss_mask, batch.cu_seqlens, anchors, anchor_cu,
-                                   block_size, gamma)
+                                   block_size, gamma, **layout)
     if dpace:
         weights = (weights > 0).float()
     if target is None:
@@ -119,7 +121,8 @@ def drafter_step(model: DFlashDrafter, batch: StepBatch, settings: StepSettings,
     dev = data.input_ids.device
     anchors, anchor_cu = batch.anchors.to(dev), batch.anchor_cu.to(dev)
     dpace = o.dpace_alpha is not None
-    labels, weights, soft = batch_targets(data, batch.target, anchors, anchor_cu, o.block_size, o.gamma, dpace)
+    labels, weights, soft = batch_targets(data, batch.target, anchors, anchor_cu, o.block_size, o.gamma, dpace,
+                                          variant)
     starts = host_starts.to(dev)
     norm = scale / loss_denominator(dpace, weights.sum().clamp(min=1e-9), A) if o.batch_mean else scale
     head, top_k = model.lm_head.weight, variant.loss_top_k(model.spec)
@@ -145,9 +148,12 @@ def drafter_step(model: DFlashDrafter, batch: StepBatch, settings: StepSettings,
                                         anchors[sl], starts[sl], offset=lo)
         chunk_soft = None if soft is None else (soft[0][sl], soft[1][sl])
         # A variant's candidates (the head's top-K) come off the loss's own logits: no second head pass.
-        loss_sum, m, *top = lm_head_loss(hidden.to(head.dtype), head, labels[sl], weights[sl], chunk_soft,
-                                         rows=o.loss_rows, dpace_alpha=o.dpace_alpha, top_k=top_k)
-        terms = LossChunk(data.input_ids, anchors[sl], labels[sl], weights[sl], o.loss_rows)
+        if variant.unary_loss:
+            loss_sum, m, *top = lm_head_loss(hidden.to(head.dtype), head, labels[sl], weights[sl], chunk_soft,
+                                             rows=o.loss_rows, dpace_alpha=o.dpace_alpha, top_k=top_k)
+        else:  # the variant's term is the whole loss (DSpark: its slot logits carry a bias of their own)
+            (loss_sum, m), top = no_head_loss(labels[sl], weights[sl]), []
+        terms = LossChunk(data.input_ids, anchors[sl], labels[sl], weights[sl], o.loss_rows, batch.features)
         loss_sum, m = variant.loss_term(model, hidden, terms, loss_sum, m, top[0] if top else None,
                                         o.variant_options)
         if not last:

@@ -5,8 +5,9 @@ from dflash_dist.config import ConfigError
 from dflash_dist.models.variants.base import LossChunk, Variant, accepted_lengths
 from dflash_dist.models.variants.dflash import DFlash
 from dflash_dist.models.variants.dflash2 import DFlash2
+from dflash_dist.models.variants.dspark import DSpark
 
-VARIANTS: dict[str, Variant] = {v.name: v for v in (DFlash(), DFlash2())}
+VARIANTS: dict[str, Variant] = {v.name: v for v in (DFlash(), DFlash2(), DSpark())}
 
 
 def variant_of(name: str) -> Variant:

@@ -20,9 +20,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash_dist.config import loss_gamma
+
 
 def accepted_lengths(hits: torch.Tensor) -> torch.Tensor:
-    """The accepted length (A,) float32 of blocks whose drafted slots 1..B-1 hit (A, B-1) bool: the
+    """The accepted length (A,) float32 of blocks whose drafted slots hit (A, drafts) bool (DFlash: slots
+    1..B-1; DSpark: every slot): the
     consecutive hits from slot 1, plus the bonus token (what a verify step commits); a miss, or an
     untrained slot, ends the run. Every figure of acceptance (training metrics, held-out tau) is this."""
     return torch.cumprod(hits.long(), dim=1).sum(1).float() + 1.0
@@ -31,12 +34,14 @@ def accepted_lengths(hits: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class LossChunk:
     """One anchor chunk of a batch as a variant's loss term sees it: the packed batch's token ids, the
-    chunk's anchors (packed indices), its labels and position weights (A, B), the LM head's row chunk."""
+    chunk's anchors (packed indices), its labels and position weights (A, B), the LM head's row chunk,
+    the batch's target features (packed rows; DSpark reads the final hidden state it asked for)."""
     input_ids: torch.Tensor
     anchors: torch.Tensor
     labels: torch.Tensor
     weights: torch.Tensor
     rows: int
+    features: torch.Tensor | None = None
 
 
 class Variant:
@@ -46,6 +51,19 @@ class Variant:
     title = "DFlash"  # the model card's heading
     architecture = "DFlashDraftModel"  # config.json's `architectures`: the engines pick their model class by it
     config_keys: tuple[str, ...] = ()  # DraftSpec fields of this variant, exported in dflash_config
+    # The block's layout. DFlash: slot 0 holds the anchor and drafts nothing, slot k drafts anchor + k
+    # (B - 1 drafts). Anchor as first (DSpark): slot k drafts anchor + k + 1, every slot a draft (B).
+    anchor_drafts = False
+    # The prefix rule: a slot after an untrained one (past the sequence or the loss mask) trains neither.
+    prefix_labels = False
+    # Whether `loss_term` adds to the plain head's cross-entropy (`lm_head_loss`); False: its term is the
+    # whole loss (DSpark: its slot logits carry a bias the plain head lacks) and the step skips that pass.
+    unary_loss = True
+    # Targets send their final-normed last hidden state as one more H-wide block of each token's features.
+    final_hidden_features = False
+    # State-dict prefixes exported in float32 whatever the export's dtype (the engine's params are).
+    float32_prefixes: tuple[str, ...] = ()
+    vllm_method = "dflash"  # vLLM's speculative method for this architecture
 
     # -- build ---------------------------------------------------------------------------------------
     def check(self, draft_cfg, target) -> None:
@@ -60,6 +78,14 @@ class Variant:
         return {}
 
     # -- training -----------------------------------------------------------------------------------
+    def drafts(self, block_size: int) -> int:
+        """Tokens drafted per block: those after the anchor's slot, or every slot's (anchor as first)."""
+        return block_size if self.anchor_drafts else block_size - 1
+
+    def gamma(self, objective) -> float:
+        """The position decay's gamma (`objective.gamma`, 0: the paper's rule for the block size)."""
+        return loss_gamma(objective)
+
     def options(self, objective) -> Any:
         """This variant's own step settings, read from `cfg.objective` (frozen, hashable)."""
         return None

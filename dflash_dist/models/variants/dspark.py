@@ -1,0 +1,91 @@
+"""DSpark: the DFlash backbone with "anchor as first" blocks, a low-rank Markov bias on every slot's
+logits and a confidence head (`dspark_heads.py`), trained by `dspark_loss.py`; served by vLLM 0.32's
+`qwen3_dspark.py` (`Qwen3DSparkForCausalLM`) and its `DSparkSpeculator` under the architecture
+`Qwen3DSparkModel`.
+
+Layout: the block is [anchor, MASK x (B-1)] as DFlash's, but slot k drafts the token at anchor + k + 1,
+so a block drafts B tokens (vLLM's `sample_from_anchor`: num_speculative_tokens = block_size). An anchor
+still needs a supervised next token (data/anchors.py: the same rule), and a slot after an untrained one
+trains nothing (the prefix rule: serving never reaches it past a token the block could not predict).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from dflash_dist.config import ConfigError
+from dflash_dist.models.variants.base import LossChunk, Variant
+from dflash_dist.models.variants.dspark_heads import ConfidenceHead, MarkovHead, markov_walk
+from dflash_dist.models.variants.dspark_loss import DSparkOptions, dspark_term, slot_metrics
+
+# The DSpark paper's position decay exp(-k / 4), where objective.gamma leaves it to the variant.
+GAMMA = 4.0
+
+_VLLM = """
+The method is `dspark` (vLLM picks it from the architecture `Qwen3DSparkModel`): every slot drafts, so
+`num_speculative_tokens` is the block size here, not block size - 1, and vLLM's own default when it is
+not given. It runs in Model Runner V2's DSpark speculator (vLLM >= 0.32, a GPU build)."""
+_SGLANG = """
+SGLang's DFLASH algorithm serves the DFlash backbone only: it would ignore the Markov head and draft from
+the wrong slots. Serve this drafter with vLLM."""
+
+
+class DSpark(Variant):
+    name = "dspark"
+    title = "DSpark"
+    architecture = "Qwen3DSparkModel"
+    anchor_drafts = True
+    prefix_labels = True
+    unary_loss = False
+    final_hidden_features = True
+    float32_prefixes = ("confidence_head.",)
+    vllm_method = "dspark"
+    # config.json's top-level keys (vLLM's Qwen3DSparkModel reads them off the hf config).
+    config_keys = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
+
+    def check(self, d, target) -> None:
+        if d.markov_head_type != "vanilla":
+            raise ConfigError(f"config key 'model.draft.markov_head_type': {d.markov_head_type!r}: vLLM 0.32's "
+                              "Qwen3 DSpark serves the vanilla head only")
+
+    def heads(self, s):
+        heads = {"markov_head": MarkovHead(s.vocab_size, s.markov_rank)}
+        if s.enable_confidence_head:
+            heads["confidence_head"] = ConfidenceHead(s.hidden_size, s.markov_rank, s.confidence_head_with_markov)
+        return heads
+
+    def gamma(self, objective) -> float:
+        return objective.gamma or GAMMA
+
+    def options(self, objective) -> DSparkOptions:
+        return DSparkOptions(objective.dspark_ce_weight, objective.dspark_l1_weight,
+                             objective.dspark_confidence_weight)
+
+    def loss_term(self, model, hidden, chunk: LossChunk, loss_sum, metrics, top, options: DSparkOptions):
+        """The whole loss (`dspark_loss.py`); acc and acceptance count every slot as a draft."""
+        loss, pred = dspark_term(model, hidden, chunk, options)
+        correct, accept_sum = slot_metrics(pred, chunk.labels)
+        return loss, replace(metrics, loss_sum=loss.detach(), correct=correct, accept_sum=accept_sum)
+
+    @torch.no_grad()
+    def block_tokens(self, model, hidden, anchor_ids):
+        """(N, B): the greedy walk, each slot biased by the token drafted before it."""
+        return markov_walk(model, hidden, anchor_ids)
+
+    def config_fields(self, spec) -> dict:
+        # vLLM's Qwen3DSparkModel reads its keys at the top level, the DFlash backbone's loader the mask
+        # token and layer ids in dflash_config: both are written (dflash_config also holds the DSpark keys,
+        # as every variant's, which spec_fields reads back); sample_from_anchor says every slot drafts.
+        keys = {k: getattr(spec, k) for k in self.config_keys}
+        return {"dflash_config": {"block_size": spec.block_size, **keys}, "sample_from_anchor": True,
+                "mask_token_id": spec.mask_token_id, "target_layer_ids": list(spec.target_layer_ids), **keys}
+
+    def card_rows(self, spec):
+        conf = ("confidence head" + (" on [h; W1[prev]]" if spec.confidence_head_with_markov else " on h")
+                if spec.enable_confidence_head else "no confidence head")
+        return [("DSpark", f"anchor as first ({spec.block_size} drafts per block); Markov head rank "
+                           f"{spec.markov_rank} ({spec.markov_head_type}); {conf}")]
+
+    def card_notes(self):
+        return {"vllm": _VLLM, "sglang": _SGLANG}
