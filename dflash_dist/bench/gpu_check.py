@@ -26,8 +26,8 @@ first:
            isolation (one sequence's tokens changed: every other sequence's features bitwise equal).
   nccl     1 GPU: the embedded job with roles.mode=colocated under torchrun on NCCL; 2+ GPUs: packet vs raw
            NCCL send of one reference-size packet (49,152 tokens x 5 x 4096 bf16, 1.9 GiB); 3+ GPUs: the
-           embedded job with 2 drafters per node and 2 epochs. Exit code, the "drafter replicas identical"
-           and "tail" lines, and no watchdog or timeout line.
+           embedded job with 2 drafters per node and 2 epochs. Exit code, the summary's replica agreement and
+           each epoch's idle drafters in its last step, and no watchdog or timeout line.
   cost     the cost model's drafter:target time ratio against the real target capture and drafter step
            (bench.cost.validate_shape at two bf16 shapes, one target-heavy, one drafter-heavy, sdpa paths,
            the device's rates probed in between); outside 0.7-1.4 fails the section. With the drafter and
@@ -426,17 +426,17 @@ def embedded_job(rep: Report, label: str, nproc: int, overrides: list[str], time
            "-m", "dflash_dist.train", "wandb.mode=disabled", "train.eval_prompts=0", "train.export=false",
            "train.resume=none", f"train.run_dir={run_dir}", f"data.cache_dir={run_dir}", *overrides]
     rc, out, secs = run_tree(cmd, timeout, dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
-    lines = out.splitlines()
     rep.add(f"{label} exit code", "timed out" if rc is None else rc, f"{nproc} ranks, {secs:.0f} s wall; {' '.join(overrides)}")
-    same = [line.split("drafter replicas identical: ")[-1] for line in lines if "drafter replicas identical" in line]
-    rep.add(f"{label} replicas identical", same[-1] if same else "missing")
-    tails = [line.split("; tail: ")[-1] for line in lines if "; tail: " in line]
-    rep.add(f"{label} tail lines", len(tails), tails[-1][:100] if tails else "")
-    bad = [line for line in lines if WATCHDOG.search(line)]
-    rep.add(f"{label} watchdog/timeout lines", len(bad), bad[0][:160] if bad else "")
+    # The run's facts come from its summary.json (what a log line says is for people and may be reworded).
     summary = Path(run_dir) / "summary.json"
-    if summary.exists():
-        sm = json.loads(summary.read_text())
+    sm = json.loads(summary.read_text()) if summary.exists() else {}
+    rep.add(f"{label} replicas identical",
+            f"{sm['drafter_replicas_identical']} of {sm['num_drafters']}" if sm else "missing (no summary.json)")
+    idle = [e["tail_idle_drafters"] for e in sm.get("epochs", [])]
+    rep.add(f"{label} epochs", len(idle), f"idle drafters in each epoch's last step: {idle}")
+    bad = [line for line in out.splitlines() if WATCHDOG.search(line)]
+    rep.add(f"{label} watchdog/timeout lines", len(bad), bad[0][:160] if bad else "")
+    if sm:
         rep.add(f"{label} tokens/s", float(sm["tok_per_s"]), f"{sm.get('steps', '?')} steps")
     if rc != 0:
         rep.extra[f"{label}_log_tail"] = out[-4000:]

@@ -61,7 +61,8 @@ class NullReporter:
     def export(self, model_state: dict) -> Path | None:
         return None
 
-    def finish(self, digest: str, checkpoint: Path | None, exported: Path | None, tau_trained: dict | None) -> dict:
+    def finish(self, digest: str, checkpoint: Path | None, exported: Path | None, tau_trained: dict | None,
+               identical: int = 1) -> dict:
         return {}
 
     def history_now(self) -> History | None:
@@ -184,7 +185,7 @@ class Reporter(NullReporter):
                                                            "epoch_steps": mean["steps"]})
         self.state.history.epochs.append({"epoch": sched.epoch + 1, "batches": sched.num_batches,
                                           "epoch_progress": rec["epoch_progress"], "time_s": round(seconds, 2),
-                                          **mean})
+                                          "tail_idle_drafters": sched.idle(), **mean})
 
     def training_over(self) -> None:
         self.monitor.stop()  # no more progress lines during the final evaluation
@@ -245,7 +246,9 @@ class Reporter(NullReporter):
                          "optimizer steps": t.steps},
                 "tau": (tau or {}).get("tau"), "tau_set": (tau or {}).get("prompt_set")}
 
-    def finish(self, digest: str, checkpoint: Path | None, exported: Path | None, tau_trained: dict | None) -> dict:
+    def finish(self, digest: str, checkpoint: Path | None, exported: Path | None, tau_trained: dict | None,
+               identical: int = 1) -> dict:
+        """`identical`: how many drafter ranks hold weights of this digest (check_replicas: all of them)."""
         run, t, h, p = self.run, self.state.totals, self.state.history, self.progress
         lay = run.ctx.layout
         elapsed = time.time() - p.started
@@ -270,7 +273,8 @@ class Reporter(NullReporter):
             "plan_digests": list(run.plan_digests),  # every epoch's plan fingerprint, as each rank logs it
             "skipped": dict(run.skipped or {}), "skipped_in_preparation": preparation_skips(run.dataset),
             "checkpoint": str(checkpoint) if checkpoint else None, "export": str(exported) if exported else None,
-            "weights_digest": digest, "wait_targets": wait_fraction(tw, tc), "wait_drafters": wait_fraction(dw, dc),
+            "weights_digest": digest,  # every drafter's, compared over the group before this is written
+            "drafter_replicas_identical": identical, "wait_targets": wait_fraction(tw, tc), "wait_drafters": wait_fraction(dw, dc),
             "target_compute_s": tc, "target_wait_s": tw, "drafter_compute_s": dc, "drafter_wait_s": dw,
             "num_targets": lay.num_targets, "num_drafters": lay.num_drafters, "mode": run.cfg.roles.mode,
             "attention_compiles": attention.backend.compile_stats(),  # late_graphs: recompiles mid-training

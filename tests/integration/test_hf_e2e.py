@@ -41,7 +41,7 @@ def test_hf_target_trains_exports_and_evaluates(tmp_path, nproc, tp, moe):
         assert re.search(r"\[rank2 target\] \S+: done: 0 packets sent", out) and \
             re.search(r"\[rank1 target\] \S+: done: [1-9]\d* packets sent", out), out[-3000:]
         assert re.search(r"\[rank0 drafter\] dflash_dist.models.head: drafter head from", out)
-    final_digest(out)
+    final_digest(run_dir)
     exported = json.loads((run_dir / "export" / "config.json").read_text())
     assert exported["hidden_size"] == 64 and exported["dflash_config"]["target_layer_ids"] == [0, 1, 2]
     assert exported["num_target_layers"] == 4

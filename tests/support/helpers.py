@@ -85,10 +85,12 @@ def worker_pids(agent_pid: int) -> dict[int, int]:
     return out
 
 
-def final_digest(log: str) -> str:
-    found = set(re.findall(r"final drafter weights digest (\w+)", log))
-    assert len(found) == 1, found
-    return found.pop()
+def final_digest(run_dir: Path) -> str:
+    """The finished run's weights digest, from summary.json: every drafter's, compared over the group
+    before the summary is written (`drafter_replicas_identical` says how many)."""
+    summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    assert summary["drafter_replicas_identical"] == summary["num_drafters"], summary
+    return summary["weights_digest"]
 
 
 STARTUP_S = 300  # for every spawned rank to start (an interpreter importing torch and the test module)

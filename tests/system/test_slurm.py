@@ -60,19 +60,19 @@ def training_started(run_dir: Path, after_step: int = 0) -> int:
 
 @pytest.fixture(scope="module")
 def completed(cluster, tmp_path_factory):
-    """The job run once without interruption: (scontrol's record, its log)."""
-    job, log, _ = run_job(cluster, tmp_path_factory.mktemp("complete"))
-    return finish(cluster, job, log, 600)
+    """The job run once without interruption: (scontrol's record, its log, its run dir)."""
+    job, log, run_dir = run_job(cluster, tmp_path_factory.mktemp("complete"))
+    return (*finish(cluster, job, log, 600), run_dir)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_job_completes(cluster, completed):
-    info, out = completed
+    info, out, _ = completed
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), out[-3000:]
     assert "1 node(s) x 3 ranks" in out, "NPROC is honoured without GPUs"
     assert "local ranks' exit codes: 0 0 0 -> exit 0" in out and "slurm: training done" in out
-    final_digest(out)
+    final_digest(completed[2])
 
 
 @pytest.mark.slow
@@ -108,7 +108,7 @@ def test_time_limit_warning_a_stop_by_hand_and_a_killed_rank_each_requeue_and_re
     assert out.count("training stopped with its state saved (exit 75); requeueing") == 2
     assert re.search(r"training failed with exit \d+ \(failure 1 of at most 2 requeued\); requeueing", out)
     assert len(re.findall(r"\[rank0 drafter\] dflash_dist.roles.drafter: resumed from", out)) == 3
-    assert final_digest(out) == final_digest(completed[1])
+    assert final_digest(run_dir) == final_digest(completed[2])
 
 
 def worker_pid(job: int, rank: int) -> int | None:
