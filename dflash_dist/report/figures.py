@@ -290,7 +290,7 @@ def tau(runs: list[RunData]) -> Drawn:
     if curves:
         ax = axes[1, 0]
         for run in curves:
-            recs = run.kind("tau")
+            recs = run.taus()  # a step measured again after a resume: once
             ax.plot(values(recs, "step"), values(recs, "tau"), "-o", markersize=3, color=color(runs.index(run)),
                     label=run.label)
         mark_epochs(ax, runs, with_label=False)

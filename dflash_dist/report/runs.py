@@ -3,8 +3,9 @@
 Nothing else of a run directory is read, so a report can be made anywhere the two files are copied to,
 during a run or after it. A resumed run appends to the same `metrics.jsonl`: every process starts with a
 `plan` record, its times restart at 0 and its first steps may repeat steps that the one before it trained
-after the checkpoint it resumed from. `RunData` lays the processes end to end on one time axis and keeps,
-of a step recorded twice, the later record (the one whose weights went on).
+after the checkpoint it resumed from (and the tau of the checkpoint's step). `RunData` lays the processes
+end to end on one time axis and keeps, of a step (or a step's tau) recorded twice, the later record (the
+one whose weights went on).
 """
 from __future__ import annotations
 
@@ -36,6 +37,13 @@ class RunData:
     def steps(self) -> list[dict]:
         """One `step` record per optimizer step, in step order; of a step recorded twice, the later."""
         by_step = {r["step"]: r for r in self.kind("step")}
+        return [by_step[s] for s in sorted(by_step)]
+
+    def taus(self) -> list[dict]:
+        """One `tau` record per step it was measured at, in step order; of a step measured twice, the later
+        (a run killed after a checkpoint and its step's tau measures it again on resume: summary.json's
+        tau_during_training holds that one)."""
+        by_step = {r["step"]: r for r in self.kind("tau")}
         return [by_step[s] for s in sorted(by_step)]
 
     def plan(self) -> dict:
@@ -155,7 +163,7 @@ def _after_a_cut(line: str) -> dict | None:
 
 # What the report sorts, groups and indexes by: kind -> keys it must have, as integers. Every other value
 # is read as a number where it is one and as missing where not (plotting.values).
-REQUIRED_INTS = {"step": ("step", "epoch"), "epoch_plan": ("epoch",), "epoch_end": ("epoch",)}
+REQUIRED_INTS = {"step": ("step", "epoch"), "tau": ("step",), "epoch_plan": ("epoch",), "epoch_end": ("epoch",)}
 INT_KEYS = ("step", "epoch")
 
 

@@ -1,0 +1,55 @@
+"""tau every 6 steps and a checkpoint every 6 steps, the job SIGKILLed right after step 6's tau record,
+then resumed (torchrun, gloo): the tau of step 6 is in summary.json, once in the report, and its two
+records in metrics.jsonl (the killed process's and the resumed one's) are of the same weights."""
+import json
+import os
+import re
+import signal
+
+import pytest
+
+from dflash_dist.report.runs import load_run
+
+from helpers import metrics, start_torchrun, torchrun, wait_for, worker_pids
+
+pytestmark = pytest.mark.slow  # whole runs under torchrun
+
+JOB = ["train.epochs=1", "data.synthetic.num_samples=240", "objective.num_anchors=4", "train.eval_every_steps=6",
+       "train.checkpoint_every_steps=6", "train.eval_prompts=2", "train.eval_new_tokens=8", "dist.dead_after_s=3",
+       "dist.heartbeat_s=0.5"]
+
+
+def _taus(run_dir):
+    try:
+        return [r["step"] for r in metrics(run_dir) if r.get("kind") == "tau"]
+    except (FileNotFoundError, json.JSONDecodeError):  # not yet, or a line being written
+        return []
+
+
+def test_a_kill_right_after_a_checkpoints_tau_loses_and_duplicates_no_tau(tmp_path):
+    proc = start_torchrun(3, JOB, tmp_path, tmp_path / "first.log")
+    try:
+        wait_for(lambda: 6 in _taus(tmp_path), 180, "step 6's tau record", poll=0.02)
+        for pid in [*worker_pids(proc.pid).values(), proc.pid]:  # the whole job at once, no clean-up
+            os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not (tmp_path / "summary.json").exists(), "killed before the end"
+    res = torchrun(3, JOB, tmp_path, timeout=240)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-3000:]
+    assert re.search(r"resumed from \S*step-00000006", out), out[-3000:]  # the checkpoint of step 6
+
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    steps = summary["steps"]
+    want = [0] + list(range(6, steps, 6)) + [steps]
+    assert [t["step"] for t in summary["tau_during_training"]] == want
+    run = load_run(tmp_path)
+    assert [r["step"] for r in run.taus()] == want  # what the report draws
+    assert [r["tau"] for r in run.taus()] == [t["tau"] for t in summary["tau_during_training"]]
+    recorded = [r for r in metrics(tmp_path) if r.get("kind") == "tau"]
+    sixes = [r for r in recorded if r["step"] == 6]
+    assert len(sixes) == 2 and sixes[0]["tau"] == sixes[1]["tau"], sixes  # measured again on the same weights
+    assert sorted({r["step"] for r in recorded}) == want
