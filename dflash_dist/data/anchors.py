@@ -3,7 +3,9 @@ gives. A block anchored at position p drafts p + 1, p + 2, ...; it trains only i
 the candidates are the p with loss_mask[p + 1] (p + 1 < length), every supervised token's predecessor:
 every supervised token but a supervised first one. A block may run past the sample's end (its slots there
 carry no label). Each sequence gives min(candidates, objective.num_anchors) anchors, drawn at random
-(`training.objective.draw_anchors`); the plan, the dataset's counts and the forecast count with these."""
+(`training.objective.draw_anchors`); the plan, the dataset's counts and the forecast count with these.
+It holds for every variant's layout: DSpark's anchor-as-first slot 0 drafts p + 1 itself (slot k drafts
+p + k + 1, `training.objective.block_labels`), so its anchors need the same supervised next token."""
 from __future__ import annotations
 
 import numpy as np

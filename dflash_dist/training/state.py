@@ -20,7 +20,7 @@ from torch import nn
 from dflash_dist.checkpoints import store as checkpoint
 from dflash_dist.checkpoints.store import Cursor
 from dflash_dist.config import Config, to_dict
-from dflash_dist.training.stats import Diverged, StepStats
+from dflash_dist.training.stats import Diverged, StepStats, drafting_slots
 from dflash_dist.parallel.sharding import total_norm
 from dflash_dist.parallel.topology import Layout
 
@@ -59,7 +59,8 @@ class Totals:
         self.valid = [a + float(b) for a, b in zip(self.valid, s.valid)]
 
     def accuracy(self) -> list[float]:
-        return [c / max(v, 1.0) for c, v in zip(self.correct[1:], self.valid[1:])]
+        first = drafting_slots(self.valid) if self.valid else 1
+        return [c / max(v, 1.0) for c, v in zip(self.correct[first:], self.valid[first:])]
 
 
 @dataclass

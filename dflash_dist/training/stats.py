@@ -76,8 +76,9 @@ class StepStats:
         return self.loss_sum / self.weight_sum if self.weight_sum > 0 else float("nan")
 
     def accuracy(self) -> list[float]:
-        """Per slot k >= 1 (slot 0 is the given anchor token)."""
-        return (self.correct[1:] / self.valid[1:].clamp(min=1)).tolist()
+        """Per drafting slot (`drafting_slots`)."""
+        first = drafting_slots(self.valid)
+        return (self.correct[first:] / self.valid[first:].clamp(min=1)).tolist()
 
     def selector_figures(self) -> dict:
         """A DFlash 2 step's unary-head figures beside the selector's (empty for DFlash): `unary_acc`,
@@ -89,6 +90,12 @@ class StepStats:
         return {"unary_acc": ratio(self.unary_correct), "unary_accept_len": self.unary_accept_sum / self.selector_blocks,
                 "topk_recall": ratio(self.topk_hits),
                 "selector_loss": self.selector_loss_sum / self.weight_sum if self.weight_sum > 0 else float("nan")}
+
+
+def drafting_slots(valid) -> int:
+    """The first slot whose accuracy is reported: 1 where slot 0 never has a label (DFlash's given
+    anchor token), 0 where it does (DSpark's anchor-as-first blocks: slot 0 drafts the next token)."""
+    return 0 if float(valid[0]) > 0 else 1
 
 
 class Diverged(RuntimeError):

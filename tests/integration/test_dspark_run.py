@@ -22,6 +22,7 @@ def test_a_dspark_run_trains_exports_and_evaluates_exactly(tmp_path):
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["tau_untrained"]["exact"] and summary["tau_trained"]["exact"]
+    assert len(summary["acc_per_position"]) == 16  # every slot drafts, the first one included
     steps = [r for r in metrics(run) if r.get("kind") == "step"]
     assert steps[-1]["loss"] < steps[0]["loss"]
     conf = json.loads((run / "export" / "config.json").read_text())
