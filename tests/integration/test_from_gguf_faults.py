@@ -13,8 +13,8 @@ import time
 from gguf_fixtures import write_gguf
 from helpers import read_only
 
-# from_gguf.main in a process whose load_gguf waits for GO (when it exists as a path's parent) and returns a
-# tiny llama: the stand-in for a real GGUF's load, which takes seconds to minutes.
+# from_gguf.main in a process whose load_gguf waits until the file GO exists and returns a tiny llama: the
+# stand-in for a real GGUF's load, which takes seconds to minutes.
 DRIVER = """
 import sys, time
 from pathlib import Path

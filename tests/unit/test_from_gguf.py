@@ -46,6 +46,7 @@ def test_a_full_disk_found_before_loading_exits_2_naming_the_directory(tmp_path,
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     monkeypatch.setattr(from_gguf, "load_gguf", lambda path: pytest.fail("loaded despite a full disk"))
     monkeypatch.setattr(files.os, "write", full)  # the start-up probe's write (files.probe_dir)
+    monkeypatch.setattr(from_gguf, "terminate_cleanly", lambda: None)  # pytest's own SIGTERM handling stays
     gguf = write_gguf(tmp_path / "m.gguf", "llama")
     assert from_gguf.main([str(gguf), str(tmp_path / "target")]) == 2
     assert f"OUT_DIR's directory {tmp_path}: cannot write in it: No space left on device" in caplog.text

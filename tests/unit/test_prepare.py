@@ -143,3 +143,17 @@ def test_any_other_error_one_line_raises_is_a_counted_skip_too(tok_dir, tmp_path
     assert f"chat.jsonl:{len(lines) + 1}: skipped (unexpected_error): TypeError: TextEncodeInput" in caplog.text
 
 
+
+
+def test_token_ids_outside_the_vocabulary_stop_the_run_naming_the_file_and_line(tok_dir, tmp_path):
+    """Another model's ids: the fast tokenizer's decode drops an unknown id, so without the check the
+    other ids matched the reply and the unknown one was trained (a silently wrong sample)."""
+    from dflash_dist.data.prepare import InputError
+    tok = setup_worker(tok_dir)
+    bad = openai(CONV)
+    bad["messages"][-1]["token_ids"] = tok("four.", add_special_tokens=False)["input_ids"] + [len(tok)]
+    src = write_jsonl(tmp_path / "regen.jsonl", [json.dumps(openai(CONV)), json.dumps(bad)])
+    with pytest.raises(InputError, match=rf"regen.jsonl:2: message 4: token_ids hold id {len(tok)}, outside the "
+                                         rf"tokenizer's vocabulary of {len(tok)} ids"):
+        prepare(str(tok_dir), str(src), str(tmp_path / "ds"), Options())
+    assert os.listdir(tmp_path) == ["regen.jsonl"]
