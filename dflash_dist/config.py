@@ -394,8 +394,7 @@ def _check_conv_taps(cfg: Config) -> None:
 
 
 def _check_dspark(cfg: Config) -> None:
-    """DSpark trains on the data's tokens with its own terms and decay (models/variants/dspark_loss.py),
-    its teacher the target's final hidden state, which only a target rank's packet carries."""
+    """DSpark trains on the data's tokens with its own terms and decay (models/variants/dspark_loss.py)."""
     if cfg.model.draft.variant != "dspark":
         return
     o = cfg.objective
@@ -405,9 +404,6 @@ def _check_dspark(cfg: Config) -> None:
     if o.position_weights != "gamma":
         raise ConfigError("config key 'objective.position_weights': dspark weighs its slots by exp(-k/gamma) "
                           "under the prefix rule (use gamma)")
-    if cfg.roles.mode != "disaggregated":
-        raise ConfigError("config key 'roles.mode': dspark's target features come from target ranks "
-                          "(use disaggregated)")
 
 
 def _check_liveness(d: "DistConfig") -> None:

@@ -54,12 +54,14 @@ class LocalTarget:
     dtype: torch.dtype
     device: torch.device
     clock: Callable[[], float]
+    final_features: bool = False  # the variant's `final_hidden_features` (DSpark's teacher)
     compute_s: float = 0.0
 
     def packet(self, batch_ids, epoch: int, b: int) -> Packet:
         t0 = self.clock()
         batch = collate(self.dataset, batch_ids).to(self.device)
-        feats, labels = capture_for_drafter(self.target, batch, self.layer_ids, self.objective, self.dtype)
+        feats, labels = capture_for_drafter(self.target, batch, self.layer_ids, self.objective, self.dtype,
+                                            self.final_features)
         self.compute_s += self.clock() - t0
         return Packet(epoch, b, batch, feats, self.compute_s, 0.0, labels)
 
@@ -158,7 +160,8 @@ class Drafter:
         self.clock = device_clock(self.device)
         self.wait_s = self.compute_s = 0.0
         local = LocalTarget(run.target, run.dataset, tuple(run.spec.target_layer_ids), cfg.objective,
-                            self.packets.dtype, self.device, self.clock) if self.layout.colocated else None
+                            self.packets.dtype, self.device, self.clock, run.spec.family.final_hidden_features) \
+            if self.layout.colocated else None
         self.rx = Receiver(self.layout, self.j, self.packets, run.dataset.lengths, self.device, pool, local)
         self.target_counters = torch.zeros(ctx.world_size, 2, dtype=torch.float64, device=self.device)
         self.reporter = make_reporter(run, self.state, self.total_steps)

@@ -1,6 +1,7 @@
 """A DSpark run under torchrun (3 ranks, gloo: 2 drafters, 1 target sending its final hidden state beside
 the features) on the tiny target: it trains (the loss falls), measures tau exactly in the run, exports
-vLLM's Qwen3DSparkModel contract, and the evaluator decodes the export exactly, B drafts a block."""
+vLLM's Qwen3DSparkModel contract, and the evaluator decodes the export exactly, B drafts a block; and
+colocated ranks, whose own target adds the final hidden state alike."""
 import json
 import subprocess
 import sys
@@ -36,3 +37,10 @@ def test_a_dspark_run_trains_exports_and_evaluates_exactly(tmp_path):
     assert ev.returncode == 0, (ev.stdout + ev.stderr)[-4000:]
     result = json.loads(out.read_text())
     assert result["overall"]["exact"] and len(result["overall"]["accepted_per_position"]) == conf["block_size"]
+
+
+def test_a_colocated_dspark_run_trains_and_decodes_exactly(tmp_path):
+    res = torchrun(2, JOB + ["roles.mode=colocated", "roles.drafters_per_node=1", "train.epochs=1"], tmp_path, timeout=400)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["tau_trained"]["exact"] and summary["tau_trained"]["tau"] > summary["tau_untrained"]["tau"]

@@ -143,7 +143,7 @@ def test_the_features_end_with_the_targets_final_hidden_state():
 
 
 def test_dspark_refuses_what_it_cannot_train():
-    for bad in ("objective.labels=target_argmax", "objective.position_weights=dpace", "roles.mode=colocated"):
+    for bad in ("objective.labels=target_argmax", "objective.position_weights=dpace"):
         with pytest.raises(ConfigError, match=bad.split("=")[0]):
             load_config(overrides=["model.draft.variant=dspark", bad])
 
