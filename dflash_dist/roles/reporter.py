@@ -167,7 +167,8 @@ class Reporter(NullReporter):
         self.epoch_totals.steps += 1
         # One JSONL line per step (the step's batches pooled over drafters): what the run report plots
         # against the batches' mean sample length; the progress lines sample only every interval.
-        hits, labels = float(s.correct[1:].sum()), float(s.valid[1:].sum())
+        # Every slot with labels: DFlash's slot 0 (the given anchor) has none, DSpark's drafts.
+        hits, labels = float(s.correct.sum()), float(s.valid.sum())
         self.sinks.write({"kind": "step", "step": t.steps, "epoch": p.epoch + 1,
                           "time": round(time.time() - p.started, 3), "step_batches": s.batches,
                           "step_seqs": s.seqs, "step_tokens": s.tokens, "loss": s.loss,
