@@ -89,7 +89,7 @@ def model_card(spec: DraftSpec, facts: dict | None = None) -> str:
     rows = [("target", f"`{target}`: {spec.num_target_layers} layers, hidden size {spec.hidden_size}, "
                        f"vocabulary {spec.vocab_size}, context {spec.max_position_embeddings}"),
             ("block size", f"{spec.block_size} (the bonus token + {spec.block_size - 1} drafted)" if k == spec.block_size - 1
-                           else f"{spec.block_size} (the bonus token first, {k} drafted: every slot)"),
+                           else f"{spec.block_size} (the bonus token first; every slot drafts the next token: {k} drafted)"),
             ("mask token id", str(spec.mask_token_id)),
             ("target layer ids", f"{list(spec.target_layer_ids)} (ascending, as the engines concatenate them)"),
             ("drafter", f"{spec.num_layers} layers, {spec.num_heads} / {spec.num_kv_heads} heads x {spec.head_dim}")]
