@@ -35,7 +35,7 @@ from dflash_dist.parallel.transport import TargetLabels
 class StepSettings:
     """Everything of the objective a step reads, fixed for a run."""
     block_size: int  # the spec's
-    gamma: float  # the position decay exp(-(k-1)/gamma) (unused under D-PACE)
+    gamma: float  # the position decay exp(-(k-1)/gamma), DSpark's exp(-k/gamma) (unused under D-PACE)
     anchor_chunk: int  # anchors per forward/backward (0: all at once)
     loss_rows: int  # LM-head rows per chunk of the loss
     batch_mean: bool  # divide by the batch's own weight sum (objective.loss_norm=batch); else the caller does

@@ -25,9 +25,8 @@ from dflash_dist.config import loss_gamma
 
 def accepted_lengths(hits: torch.Tensor) -> torch.Tensor:
     """The accepted length (A,) float32 of blocks whose drafted slots hit (A, drafts) bool (DFlash: slots
-    1..B-1; DSpark: every slot): the
-    consecutive hits from slot 1, plus the bonus token (what a verify step commits); a miss, or an
-    untrained slot, ends the run. Every figure of acceptance (training metrics, held-out tau) is this."""
+    1..B-1; DSpark: every slot): the consecutive hits from the first drafted slot, plus the bonus token
+    (what a verify step commits); a miss, or an untrained slot, ends the run. Every figure of acceptance (training metrics, held-out tau) is this."""
     return torch.cumprod(hits.long(), dim=1).sum(1).float() + 1.0
 
 
