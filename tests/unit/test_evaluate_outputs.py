@@ -69,15 +69,14 @@ def test_the_context_check_counts_every_prompt_over_it(small_context):
     hf_engine.check_context(target.max_position_embeddings, [PromptSet("q", "q.jsonl", "ids", items[:1], [1])], None)
 
 
-def test_the_vllm_engine_refuses_prompts_past_its_context_before_any_engine_starts(tmp_path, caplog, draft,
-                                                                                   monkeypatch):
+def test_the_vllm_engine_refuses_prompts_past_its_context_before_any_engine_starts(tmp_path, caplog, monkeypatch):
     """--engine vllm applies the same rule at --max-model-len (else the target's context), before vLLM starts."""
     from dflash_dist.evaluation import vllm_engine
-    from evaluate_fixtures import save_target
+    from evaluate_fixtures import target_overrides, untrained_export
     monkeypatch.setattr(vllm_engine, "run_sets", never)
-    target = save_target(tmp_path / "target")
+    target, fitting = untrained_export(tmp_path)  # a drafter of this target: the fit check passes
     path = prompts(tmp_path, f"[1, 2, 3]\n{list(range(1, 21))}\n")
-    rc, err = run(["--draft", str(draft), "--bench", path, "--engine", "vllm", "--max-model-len", "16",
-                   "model.target.kind=hf", f"model.target.path={target}", "model.target.dtype=float32"], caplog)
+    rc, err = run(["--draft", str(fitting), "--bench", path, "--engine", "vllm", "--max-model-len", "16",
+                   *target_overrides(target)], caplog)
     assert rc == 2 and f"1 prompt(s) of at least the target's context of 16 positions, which it cannot answer: " \
                        f"{path}:2 (20 tokens)" in err, err
