@@ -156,7 +156,10 @@ def run_vllm(args, cfg, sets) -> dict:
     from dflash_dist.evaluation.hf_engine import check_context
     context = args.max_model_len or text_cfg.max_position_embeddings
     check_context(context, sets, chat)
-    opts = VllmOptions(target=cfg.model.target.path, draft=str(args.draft), block_size=int(export["block_size"]),
+    from dflash_dist.models.variants import variant_of_export
+    variant = variant_of_export(export)
+    opts = VllmOptions(target=cfg.model.target.path, draft=str(args.draft),
+                       block_size=variant.drafts(int(export["block_size"])) + 1, method=variant.vllm_method,
                        context=context, dtype=cfg.model.target.dtype, kv_cache_gib=args.kv_cache_gib,
                        max_model_len=args.max_model_len, baselines=args.baselines)
     tallies, baselines = run_sets(opts, sets, chat, args.max_new_tokens)

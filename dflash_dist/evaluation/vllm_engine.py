@@ -5,7 +5,9 @@ One engine per decoder, built one after the other (each shut down before the nex
   target  target-only greedy decoding: the reference output and the baseline time (always run);
   ngram   speculative_config {"method": "ngram", "num_speculative_tokens": B - 1, "prompt_lookup_max": 4,
           "prompt_lookup_min": 2} (with baselines);
-  dflash  {"method": "dflash", "model": EXPORT, "num_speculative_tokens": B - 1}: the drafter's row.
+  dflash  {"method": the variant's (Variant.vllm_method: dflash, dspark), "model": EXPORT,
+          "num_speculative_tokens": its drafts a block (B - 1; DSpark's B)}: the drafter's row.
+B here is the most tokens a verify step commits (VllmOptions.block_size: the drafts + 1).
 The prompts are rendered and tokenized here (the same `Chat` as the hf engine), sent as token ids, turn by
 turn: every conversation's turn k in one batch, each decoder continuing with its own answers (equal to the
 target's where the decoder is exact), so all of them see the same batches.
@@ -46,13 +48,14 @@ NGRAM = {"prompt_lookup_max": 4, "prompt_lookup_min": 2}
 class VllmOptions:
     target: str  # the target's model directory
     draft: str  # the export
-    block_size: int
+    block_size: int  # the most tokens a verify step commits: the drafts + 1 (DraftSpec.step_tokens)
     context: int  # the target's positions (max_model_len where set): an answer stops there
     dtype: str = "auto"  # auto: float32 on CPU, the model's own on GPUs
     kv_cache_gib: float = 0.5  # CPU only
     gpu_memory_utilization: float = 0.85
     max_model_len: int | None = None
     baselines: bool = False  # also decode with the n-gram proposer (target-only always runs: the reference)
+    method: str = "dflash"  # vLLM's speculative method of the export's variant (Variant.vllm_method)
 
 
 def speculative_config(o: VllmOptions, method: str) -> dict | None:
@@ -62,7 +65,7 @@ def speculative_config(o: VllmOptions, method: str) -> dict | None:
     k = {"num_speculative_tokens": o.block_size - 1}
     if method == "ngram":
         return {"method": "ngram", **k, **NGRAM}
-    return {"method": "dflash", "model": o.draft, **k}
+    return {"method": o.method, "model": o.draft, **k}
 
 
 def _llm(o: VllmOptions, method: str):

@@ -95,11 +95,11 @@ def make_export(root: Path) -> tuple[Path, Path]:
     return model_dir, root / "draft"
 
 
-def untrained_export(root: Path) -> tuple[Path, Path]:
+def untrained_export(root: Path, *overrides: str) -> tuple[Path, Path]:
     """(target dir, export dir) under root: the target of save_target and an untrained drafter that fits
-    it, for tests that stop before anything is decoded."""
+    it (of the config's variant), for tests that stop before anything is decoded."""
     model_dir = save_target(root / "target")
-    cfg = load_config(overrides=target_overrides(model_dir))
+    cfg = load_config(overrides=[*target_overrides(model_dir), *overrides])
     target = build_target(cfg, CPU)
     d = build_drafter(draft_spec(cfg, target), target, seed=1, device=CPU)
     return model_dir, export_drafter(d.spec, d.state_dict(), root / "draft", dtype=torch.float32)

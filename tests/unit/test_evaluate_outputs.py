@@ -80,3 +80,23 @@ def test_the_vllm_engine_refuses_prompts_past_its_context_before_any_engine_star
                    *target_overrides(target)], caplog)
     assert rc == 2 and f"1 prompt(s) of at least the target's context of 16 positions, which it cannot answer: " \
                        f"{path}:2 (20 tokens)" in err, err
+
+
+@pytest.mark.parametrize("variant, method, drafts", [("dflash", "dflash", 3), ("dspark", "dspark", 4)])
+def test_the_vllm_engine_serves_each_variant_by_its_method_and_drafts(tmp_path, caplog, monkeypatch, variant, method,
+                                                                      drafts):
+    """The speculative_config vLLM gets is the export's variant's: DSpark drafts all B = 4 slots a block."""
+    from dflash_dist.evaluation import vllm_engine
+    from evaluate_fixtures import target_overrides, untrained_export
+    seen = []
+
+    def record(opts, *a, **k):
+        seen.append(vllm_engine.speculative_config(opts, "dflash"))
+        raise vllm_engine.EvalInputError("recorded")
+    monkeypatch.setattr(vllm_engine, "run_sets", record)
+    target, export = untrained_export(tmp_path, f"model.draft.variant={variant}")
+    path = prompts(tmp_path, "[1, 2, 3]\n")
+    rc, err = run(["--draft", str(export), "--bench", path, "--engine", "vllm", *target_overrides(target),
+                   f"model.draft.variant={variant}"], caplog)
+    assert rc == 2 and "recorded" in err, err
+    assert seen == [{"method": method, "model": str(export), "num_speculative_tokens": drafts}]
