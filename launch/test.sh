@@ -16,6 +16,6 @@ else
   bash launch/slurm_local.sh install  # slurm-wlm + munge (apt) where missing: tests/system/test_slurm.py starts a one-node cluster
 fi
 if [ "$tier" = all ]; then
-  exec .venv/bin/python -m pytest -q "$@"  # pyproject's testpaths: the three tiers in order
+  exec .venv/bin/python -m pytest -q --durations=15 "$@"  # pyproject's testpaths: the three tiers in order
 fi
 exec .venv/bin/python -m pytest -q "tests/$tier" "$@"
