@@ -48,7 +48,8 @@ import numpy as np
 
 from dflash_dist.config import Config
 from dflash_dist.data.anchors import anchors_per_sample
-from dflash_dist.forecast.memory import SDPA_GROUP, BatchShape, Precision, Sharding, draft_param_count
+from dflash_dist.forecast.memory import (SDPA_GROUP, BatchShape, Precision, Sharding, draft_param_count, feature_blocks,
+                                         runs_whole_target)
 from dflash_dist.forecast.shapes import ModelShapes
 from dflash_dist.parallel.transport import target_label_width
 from dflash_dist.parallel.topology import candidate_splits  # the one split search (C.candidate_splits for callers)
@@ -239,7 +240,7 @@ def target_terms(s: ModelShapes, p: Precision, cfg: Config, w: BatchShape, shard
     """One target replica's work on batch `w`, per rank of the replica (tensor parallel divides it)."""
     tp, c, N = max(1, sharding.tensor_parallel), p.target_bytes, w.tokens
     distill = cfg.objective.labels != "data"
-    last = s.layers if distill else max(s.feature_layers) + 1  # capture stops after the last captured layer
+    last = s.layers if runs_whole_target(cfg) else max(s.feature_layers) + 1  # else capture stops after the last captured layer
     sparse = sum(1 for i in s.sparse_layers if i < last)
     elem = (last - sparse) * _target_layer_bytes(s, False, c, tp) + sparse * _target_layer_bytes(s, True, c, tp)
     matmul, attention = target_forward_flops(s, w.seq_lens or (N,), last)
@@ -248,7 +249,7 @@ def target_terms(s: ModelShapes, p: Precision, cfg: Config, w: BatchShape, shard
         "layers": Term("matmul", matmul / tp),
         "attention": Term("causal_attention", attention / tp),
         "elementwise": Term("memory", N * elem),
-        "send": Term("link", N * (len(s.feature_layers) * s.hidden * p.transfer_bytes + 8 * width)),
+        "send": Term("link", N * (feature_blocks(s, cfg) * s.hidden * p.transfer_bytes + 8 * width)),
     }
     if distill:
         t["lm_head"] = Term("matmul", 2 * N * s.hidden * s.vocab / tp)
@@ -290,6 +291,8 @@ def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, w: BatchShape, chun
     }
     if cfg.model.draft.variant == "dflash2":
         t.update(dflash2_terms(s, cfg, R, rows, w.anchors, c))
+    if cfg.model.draft.variant == "dspark":
+        t.update(dspark_terms(s, cfg, rows, c))
     if cfg.model.draft.checkpoint_layers:
         # torch's non-reentrant checkpoint stops once the saved tensors are rebuilt: no layer's down_proj
         down = 2 * R * L * s.hidden * s.draft_intermediate
@@ -317,6 +320,17 @@ def dflash2_terms(s: ModelShapes, cfg: Config, R: int, rows: float, anchors: int
             "selector_scores": Term("matmul", 2 * H * K * rows + 2 * Rk * H * (3 * rows + drafted)
                                     + 2 * K * Rk * (3 * rows + drafted)),
             "dflash2_conv_elementwise": Term("memory", 3 * R * L * 2 * 2 * d.conv_kernel_size * H * 12)}
+
+
+def dspark_terms(s: ModelShapes, cfg: Config, rows: float, c: int) -> dict[str, Term]:
+    """DSpark's FLOPs beyond the LM head's forward and input gradient (models/variants/dspark_loss.py)
+    on `rows` labelled rows: the teacher's distribution, the frozen head over the target's final hidden
+    state (forward only); the Markov bias W2 . W1[prev] (forward, and the gradients into W1[prev] and
+    W2); the target's softmax and the L1 term's sign pass, a second float32 (rows, V) buffer."""
+    H, V, r = s.hidden, s.vocab, cfg.model.draft.markov_rank
+    return {"dspark_teacher_head": Term("matmul", 2 * rows * H * V),
+            "dspark_markov": Term("matmul", 3 * 2 * rows * r * V),
+            "dspark_teacher_softmax": Term("memory", rows * V * (c + 3 * 4))}
 
 
 STEP_TERMS = ("adamw", "grad_sync")  # once per optimizer step, not per batch

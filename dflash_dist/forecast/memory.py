@@ -33,6 +33,7 @@ import numpy as np
 from dflash_dist.config import Config, measures_tau
 from dflash_dist.data.anchors import anchors_per_sample, tail_anchorable
 from dflash_dist.parallel.transport import target_label_width
+from dflash_dist.models.variants import variant_of
 from dflash_dist.forecast.shapes import KNOWN_ARCHS, ModelShapes, model_shapes
 
 GiB = 2 ** 30
@@ -327,8 +328,45 @@ def dflash2_params(s: ModelShapes, cfg: Config) -> int:
     return s.draft_layers * 2 * conv + 2 * s.vocab * d.selector_rank + d.selector_rank * H
 
 
+def dspark_params(s: ModelShapes, cfg: Config) -> int:
+    """DSpark's parameters beyond the DFlash drafter's (models/variants/dspark_heads.py), 0 for another
+    variant: the Markov head's W1 and W2 (V x r each: 77.8M at Qwen3-8B's V 151,936 and r 256) and the
+    confidence head's projection of [h; W1[prev]] (H + r, or H) and its bias."""
+    d = cfg.model.draft
+    if d.variant != "dspark":
+        return 0
+    r = d.markov_rank
+    conf = (s.hidden + (r if d.confidence_head_with_markov else 0) + 1) if d.enable_confidence_head else 0
+    return 2 * s.vocab * r + conf
+
+
 def draft_param_count(s: ModelShapes, cfg: Config) -> int:
-    return s.draft_params + dflash2_params(s, cfg)
+    return s.draft_params + dflash2_params(s, cfg) + dspark_params(s, cfg)
+
+
+def feature_blocks(s: ModelShapes, cfg: Config) -> int:
+    """H-wide blocks of each token's features on the wire and on the drafter: the captured layers', and
+    the target's final-normed last hidden state for a variant that asks for it (DSpark's teacher;
+    `Variant.final_hidden_features`, as parallel/transport.py's packet_spec counts them)."""
+    return len(s.feature_layers) + int(variant_of(cfg.model.draft.variant).final_hidden_features)
+
+
+def runs_whole_target(cfg: Config) -> bool:
+    """Whether a target's forward runs past the last captured layer to its final norm: distillation
+    labels read its logits, a final-hidden variant its last state (training/capture.py)."""
+    return cfg.objective.labels != "data" or variant_of(cfg.model.draft.variant).final_hidden_features
+
+
+def dspark_loss_bytes(s: ModelShapes, p: Precision, cfg: Config, rows: int, labelled: int) -> tuple[int, int]:
+    """(saved, transient) bytes of DSpark's loss in one anchor chunk (0s for another variant): it keeps
+    the input gradients it computes in the forward (models/variants/dspark_loss.py), per labelled row one
+    of h (H, the compute dtype) and of W1[prev] (r, float32), and W2's (V x r, float32); each row chunk
+    holds two float32 (rows, V) buffers (the slot's softmax and the target's) beside the matmul's output."""
+    d = cfg.model.draft
+    if d.variant != "dspark":
+        return 0, 0
+    c, V, r = p.drafter_compute, s.vocab, d.markov_rank
+    return labelled * (c * s.hidden + 4 * r) + 4 * V * r, rows * V * (8 + (c if c != 4 else 0))
 
 
 def dflash2_row_bytes(s: ModelShapes, p: Precision, cfg: Config) -> int:
@@ -372,7 +410,7 @@ def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, worst: BatchShape, 
     L = s.draft_layers
     shard = sharding.drafters if sharding.fsdp else 1
     P = draft_param_count(s, cfg)
-    nf = len(s.feature_layers)
+    nf = feature_blocks(s, cfg)
     w = target_label_width(cfg.objective.labels, cfg.objective.soft_top_k)
     meta = 8 * (2 * N + worst.seqs + 1 + w * N) + (4 * cfg.objective.soft_top_k * N if w > 1 else 0)
     t: dict[str, float] = {
@@ -404,8 +442,11 @@ def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, worst: BatchShape, 
     tail -= R * (4 * H + 4)
     rows = min(cfg.objective.loss_rows, R)
     sel_saved, sel_walk = dflash2_selector_bytes(s, cfg, R - a, R - a)
-    tail += sel_saved
-    loss_chunk = rows * V * (4 + (c if c != 4 else 0)) + (R * c * H if c != 4 else 0)
+    # DSpark drafts every slot (anchor as first) and its loss replaces the plain head's.
+    spark_saved, spark_chunk = dspark_loss_bytes(s, p, cfg, rows, R)
+    tail += sel_saved + spark_saved
+    loss_chunk = spark_chunk or rows * V * (4 + (c if c != 4 else 0))
+    loss_chunk += R * c * H if c != 4 else 0
     # Backward peaks at its start, before any saved tensor is freed: the hidden states' gradient (and its
     # float32 cast) and the final norm's float32 temporaries, about five (R, H) float32 in all (measured).
     backward = 5 * 4 * R * H
@@ -460,7 +501,7 @@ def target_terms(s: ModelShapes, p: Precision, cfg: Config, worst: BatchShape,
     c, xb, N, V = p.target_bytes, p.transfer_bytes, worst.tokens, s.vocab
     tp = max(1, sharding.tensor_parallel)
     ids = set(s.feature_layers)
-    nf = len(s.feature_layers)
+    nf = feature_blocks(s, cfg)
     distill = cfg.objective.labels != "data"
     w = target_label_width(cfg.objective.labels, cfg.objective.soft_top_k)
     feats = N * nf * H * c
@@ -478,7 +519,7 @@ def target_terms(s: ModelShapes, p: Precision, cfg: Config, worst: BatchShape,
     # variable) unless that input is itself a captured output. The forward stops after the last captured
     # layer, or with distillation labels runs on to the last layer; the concatenation then holds every
     # captured output, the features and the last output.
-    last = s.layers if distill else max(ids) + 1
+    last = s.layers if runs_whole_target(cfg) else max(ids) + 1
     capture = 2 * feats + (N * H * c if last - 1 not in ids else 0)
     before = 0  # captured outputs of the layers before i
     for i in range(last):

@@ -213,3 +213,41 @@ def test_both_decoders_are_exact_and_agree_step_for_step():
     ref_tokens, ref_accepted = speculative_generate(target, drafter, prompt, 24)
     assert got.tokens == want == ref_tokens
     assert got.accepted == ref_accepted and max(got.accepted) <= spec.block_size + 1
+
+
+@pytest.mark.parametrize("with_markov", [True, False])
+def test_the_forecasts_count_the_heads_and_the_final_hidden_row(with_markov):
+    """forecast/memory.py and cost.py: DSpark's parameters are the module's, exactly; the features carry
+    the final hidden state as packet_spec sends it (one more H-wide block on the wire and in the drafter's
+    packets); the target runs to its final norm; the costs add the teacher's head, the Markov products
+    and the second (rows, V) buffer. At Qwen3-8B (V 151,936, r 256) the Markov head is 77.8M parameters."""
+    from dflash_dist.forecast import cost as C
+    from dflash_dist.forecast import memory as M
+    from dflash_dist.forecast.shapes import model_shapes
+    base = ["model.draft.num_layers=2", "model.draft.markov_rank=8",
+            f"model.draft.confidence_head_with_markov={str(with_markov).lower()}"]
+    prec, terms, mem, tmem = M.Precision(device="cpu"), {}, {}, {}
+    w = M.BatchShape(tokens=600, seqs=4, anchors=40, seq_lens=(150,) * 4, seq_anchors=(10,) * 4,
+                     anchor_pos=tuple(range(5, 105, 10)) * 4)
+    for variant in ("dflash", "dspark"):
+        cfg = load_config(overrides=base + [f"model.draft.variant={variant}"])
+        target = build_target(cfg, CPU)
+        spec = draft_spec(cfg, target)
+        drafter = build_drafter(spec, target, 0, CPU)
+        shapes = model_shapes(cfg)
+        assert M.draft_param_count(shapes, cfg) == sum(p.numel() for p in drafter.parameters())
+        assert M.feature_blocks(shapes, cfg) * spec.hidden_size == packet_spec(cfg, spec, CPU).feat_dim
+        assert M.runs_whole_target(cfg) == (variant == "dspark")
+        terms[variant] = C.drafter_terms(shapes, prec, cfg, w, 0).terms
+        mem[variant] = M.drafter_terms(shapes, prec, cfg, w, 0)
+        tmem[variant] = M.target_terms(shapes, prec, cfg, w)
+    assert set(terms["dspark"]) - set(terms["dflash"]) == {"dspark_teacher_head", "dspark_markov",
+                                                          "dspark_teacher_softmax"}
+    assert mem["dspark"]["packets"] > mem["dflash"]["packets"]
+    assert mem["dspark"]["transient"] > mem["dflash"]["transient"]  # two float32 (rows, V) buffers
+    assert tmem["dspark"]["packets"] > tmem["dflash"]["packets"]
+    cfg8 = load_config("configs/qwen3_8b.yaml", ["model.draft.variant=dspark"])
+    s8 = model_shapes(cfg8, "qwen3-8b")
+    markov = 2 * 151936 * 256
+    assert round(markov / 1e6, 1) == 77.8
+    assert M.dspark_params(s8, cfg8) == markov + 4096 + 1  # the confidence head on h (the default)
