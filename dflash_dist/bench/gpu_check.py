@@ -1,6 +1,6 @@
 """A short check of a GPU machine at the reference shape (Qwen3-8B target, 5-layer drafter), random weights.
 
-    python -m dflash_dist.bench.gpu_check [--json PATH] [--sections env,grads,drafter,target,nccl,cost]
+    python -m dflash_dist.bench.gpu_check [--json PATH] [--sections env,grads,drafter,target,nccl,cost,variants]
     python -m dflash_dist.bench.gpu_check --dry-run      # tiny shapes on CPU, gloo: every section runs
 
 Each section runs in its own process (this module again, with --section NAME) in a session of its own,
@@ -32,6 +32,9 @@ first:
            (bench.cost.validate_shape at two bf16 shapes, one target-heavy, one drafter-heavy, sdpa paths,
            the device's rates probed in between); outside 0.7-1.4 fails the section. With the drafter and
            target sections' measured/predicted rows, the calibration of `--eff-*` for bench.cost.
+  variants every variant of the registry (DFlash, DFlash 2, DSpark, ...) with its defaults at the drafter's
+           reference shape, one step each on the mean batch: seconds and the ratio to DFlash's in the same
+           process, beside the cost model; peak memory beside the memory model (the heads counted).
 One table (section, metric, value, note) on stdout and a JSON file. Time: each section has a cap (CAPS)
 and none runs past the budget (470 s on one GPU, 590 s on several), so the check ends within 8 and 10
 minutes; a section the budget does not reach is reported as skipped (run it with --sections). Without CUDA (and without --dry-run) it says so and exits with status 2.
@@ -60,9 +63,9 @@ from dflash_dist.config import Config, TargetConfig, load_config
 
 # torch is imported where it is used: a section's process (and the hidden test section) starts in a
 # fraction of a second, and the parent process never loads what the sections measure.
-SECTIONS = ("env", "grads", "drafter", "target", "nccl", "cost")
+SECTIONS = ("env", "grads", "drafter", "target", "nccl", "cost", "variants")
 HIDDEN = ("hang",)  # test hook: a section that never ends (tests/integration/test_bench_runs.py)
-CAPS = {"env": 30, "grads": 120, "drafter": 240, "target": 150, "nccl": 80, "cost": 60,
+CAPS = {"env": 30, "grads": 120, "drafter": 240, "target": 150, "nccl": 80, "cost": 60, "variants": 150,
         "hang": 600}  # seconds; nccl: 220 on 2+ GPUs
 BUDGET_S = {1: 470, 2: 590}  # one GPU / several (and --dry-run)
 QWEN3_8B = TargetConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
@@ -236,17 +239,62 @@ def warm_block_attention(rep: Report, dev, compute, t, block_size: int) -> None:
         rep.add("sdpa fallback fwd+bwd", "FAILED", str(exc)[:160])
 
 
-def section_drafter(rep: Report, dry: bool, deadline: float) -> None:
+def measure_step(rep: Report, name: str, cfg: Config, dev, compute, model, spec, opt, settings, lengths, supervised,
+                 first_step: bool = False) -> float | None:
+    """One drafter step (drafter_step + AdamW) on a random batch of these sequence lengths, its seconds
+    beside the cost model's and its peak memory beside the memory model's; None where it ran out of memory.
+    `first_step`: the first step also allocates AdamW's state, so a second one is timed."""
     import torch
 
     from dflash_dist.bench.common import timed
     from dflash_dist.models import attention as attn
+    from dflash_dist.parallel.transport import packet_spec
     from dflash_dist.training.objective import draw_anchors
-    from dflash_dist.training.step import StepBatch, drafter_autocast, drafter_step, step_settings
+    from dflash_dist.training.step import StepBatch, drafter_step
+
+    o = cfg.objective
+    batch = packed_batch(lengths, supervised, spec.vocab_size, dev)
+    anchors, anchor_cu = draw_anchors(batch.loss_mask, batch.cu_seqlens, o.num_anchors,
+                                      torch.Generator().manual_seed(1))
+    anchors, anchor_cu = anchors.to(dev), anchor_cu.to(dev)
+    # The packet's feature width: the captured layers', and the final hidden state where it is sent.
+    feats = torch.randn(batch.num_tokens, packet_spec(cfg, spec, dev).feat_dim, device=dev, dtype=compute)
+    A = anchors.numel()
+    rep.add(f"{name} batch", f"{batch.num_tokens} tok, {batch.num_seqs} seqs, {A} anchors",
+            f"longest {int(np.max(lengths))}")
+
+    def step():
+        drafter_step(model, StepBatch(batch, feats, None, anchors, anchor_cu), settings)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    reset_peak(dev)
+    try:
+        seconds = timed(step, 1, 0, dev)
+        if first_step:
+            rep.add(f"{name} first step s", seconds, "incl. optimizer state allocation")
+            seconds = timed(step, 1, 0, dev)
+    except torch.OutOfMemoryError as exc:
+        rep.add(f"{name} step", "OOM", str(exc).splitlines()[0][:160])
+        return None
+    rep.add(f"{name} step s", seconds, f"{A / seconds:.0f} anchors/s")
+    seq = torch.repeat_interleave(torch.arange(batch.num_seqs, device=dev), anchor_cu.diff())
+    shape = (lengths, anchor_cu.diff().tolist(), (anchors - batch.cu_seqlens[seq]).tolist())
+    path = attn.resolve(None, "block", feats)
+    report_time(rep, f"{name} step", seconds, cfg, "drafter", dev, *shape, attention=path)
+    report_memory(rep, name, peak_gib(dev), predicted_peak(cfg, "drafter", dev, *shape, attention=path))
+    return seconds
+
+
+def section_drafter(rep: Report, dry: bool, deadline: float) -> None:
+    import torch
+
+    from dflash_dist.models import attention as attn
+    from dflash_dist.training.step import drafter_autocast, step_settings
 
     dev, cfg = device(dry), reference_config(dry)
     t, o = cfg.model.target, cfg.objective
-    B, layer_ids = o.block_size, feature_layers(cfg)
+    B = o.block_size
     batches, stats = plan_batches(cfg, dry)
     rep.add("plan anchors per batch", f"mean {stats['mean_anchors']:.0f}, max {stats['max_anchors']}",
             f"{stats['batches']} batches of {PLAN_SAMPLES[dry]} samples, budget {cfg.plan.token_budget}")
@@ -261,38 +309,40 @@ def section_drafter(rep: Report, dry: bool, deadline: float) -> None:
     settings = replace(step_settings(o, spec, drafter_autocast(dev)), batch_mean=True)
 
     for name, (lengths, supervised) in batches.items():
-        batch = packed_batch(lengths, supervised, t.vocab_size, dev)
-        anchors, anchor_cu = draw_anchors(batch.loss_mask, batch.cu_seqlens, o.num_anchors,
-                                          torch.Generator().manual_seed(1))
-        anchors, anchor_cu = anchors.to(dev), anchor_cu.to(dev)
-        feats = torch.randn(batch.num_tokens, len(layer_ids) * t.hidden_size, device=dev, dtype=compute)
-        A = anchors.numel()
-        rep.add(f"{name} batch", f"{batch.num_tokens} tok, {batch.num_seqs} seqs, {A} anchors",
-                f"longest {int(np.max(lengths))}")
-
-        def step():
-            drafter_step(model, StepBatch(batch, feats, None, anchors, anchor_cu), settings)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        reset_peak(dev)
-        try:
-            first = timed(step, 1, 0, dev)
-            if name == "mean":  # the first step also allocates AdamW's state: time a second one
-                rep.add("mean first step s", first, "incl. optimizer state allocation")
-                first = timed(step, 1, 0, dev)
-        except torch.OutOfMemoryError as exc:
-            rep.add(f"{name} step", "OOM", str(exc).splitlines()[0][:160])
-            del feats, batch
-            continue
-        rep.add(f"{name} step s", first, f"{A / first:.0f} anchors/s")
-        seq = torch.repeat_interleave(torch.arange(batch.num_seqs, device=dev), anchor_cu.diff())
-        shape = (lengths, anchor_cu.diff().tolist(), (anchors - batch.cu_seqlens[seq]).tolist())
-        report_time(rep, f"{name} step", first, cfg, "drafter", dev, *shape, attention=attn.resolve(None, "block", feats))
-        report_memory(rep, name, peak_gib(dev), predicted_peak(cfg, "drafter", dev, *shape,
-                                                               attention=attn.resolve(None, "block", feats)))
-        del feats, batch
+        measure_step(rep, name, cfg, dev, compute, model, spec, opt, settings, lengths, supervised,
+                     first_step=name == "mean")
     rep.add("graphs compiled after warm-up", attn.backend.compile_stats()["late_graphs"], "target 0")
+
+
+def section_variants(rep: Report, dry: bool, deadline: float) -> None:
+    """Every other DFlash-family variant (models/variants' registry) at the reference shape with its
+    defaults, one step each on the plan's mean batch (a warm-up step first: AdamW's state, the variant's
+    heads), beside a DFlash step timed the same way in the same process: step seconds, the ratio, the cost
+    and memory models' predictions (the warm-up step compiles the attention)."""
+    import torch
+
+    from dflash_dist.models.variants import VARIANTS
+    from dflash_dist.training.step import drafter_autocast, step_settings
+
+    dev, base = device(dry), reference_config(dry)
+    compute = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    lengths, supervised = plan_batches(base, dry)[0]["mean"]
+    seconds = {}
+    for name in VARIANTS:
+        if time.perf_counter() > deadline - 5:
+            rep.add(f"{name} step", "skipped", "the section's time ran out")
+            continue
+        cfg = replace(base, model=replace(base.model, draft=replace(base.model.draft, variant=name)))
+        spec, model = reference_drafter(cfg, dev, compute)
+        params = sum(p.numel() for p in model.parameters())
+        rep.add(f"{name} drafter", f"{params / 1e6:.1f} M params", f"{spec.family.title}, its defaults")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        settings = replace(step_settings(cfg.objective, spec, drafter_autocast(dev)), batch_mean=True)
+        seconds[name] = measure_step(rep, name, cfg, dev, compute, model, spec, opt, settings, lengths, supervised,
+                                     first_step=True)
+        del model, opt
+        if name != "dflash" and seconds.get("dflash") and seconds[name]:
+            rep.add(f"{name} / dflash step", seconds[name] / seconds["dflash"], "same batch, same process")
 
 
 # -- target -----------------------------------------------------------------------------------------
@@ -480,7 +530,7 @@ def section_cost(rep: Report, dry: bool, deadline: float) -> None:
 
 RUNNERS: dict[str, Callable[[Report, bool, float], None]] = {
     "env": section_env, "grads": section_grads, "drafter": section_drafter, "target": section_target,
-    "cost": section_cost, "nccl": section_nccl, "hang": section_hang}
+    "cost": section_cost, "nccl": section_nccl, "variants": section_variants, "hang": section_hang}
 
 
 # -- main -------------------------------------------------------------------------------------------

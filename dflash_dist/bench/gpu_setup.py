@@ -36,17 +36,20 @@ def packed_batch(lengths, supervised, vocab: int, dev: torch.device, seed: int =
 
 
 def reference_drafter(cfg, dev, compute):
-    """(spec, DFlashDrafter) at the config's target shape, made on `dev`, with a random frozen head."""
+    """(spec, DFlashDrafter) at the config's target shape, made on `dev`, with a random frozen head. The
+    spec is the run's (`models.build.draft_spec`, the variant's fields included) from the shape alone."""
+    from types import SimpleNamespace
+
     import torch
     from torch import nn
 
-    from dflash_dist.models.drafter import DFlashDrafter, DraftSpec
+    from dflash_dist.models.build import draft_spec
+    from dflash_dist.models.drafter import DFlashDrafter
     t = cfg.model.target
-    spec = DraftSpec(vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
-                     num_layers=cfg.model.draft.num_layers, num_heads=t.num_heads, num_kv_heads=t.num_kv_heads,
-                     head_dim=t.head_dim, rope_theta=t.rope_theta, rms_eps=t.rms_eps,
-                     block_size=cfg.objective.block_size, mask_token_id=t.vocab_size - 1,
-                     target_layer_ids=tuple(feature_layers(cfg)), num_target_layers=t.num_layers)
+    shape = SimpleNamespace(**{k: getattr(t, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_heads",
+                                                           "num_kv_heads", "head_dim", "rope_theta", "rms_eps")},
+                            num_layers=t.num_layers, max_position_embeddings=40960)
+    spec = draft_spec(cfg, shape)
     with torch.device(dev):  # parameters made where they live: no host copy of a 4 GB model
         model = DFlashDrafter(spec, checkpoint_layers=cfg.model.draft.checkpoint_layers)
         embed = nn.Embedding(t.vocab_size, t.hidden_size, dtype=compute)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dflash_dist.bench import gpu_check, transport as bench_transport
+from dflash_dist.models.variants import VARIANTS
 
 
 def test_transport_bench_tiny(tmp_path, capsys):
@@ -50,6 +51,11 @@ def test_gpu_check_dry_run_reports_every_section(tmp_path, capsys):
     assert nccl["colocated epochs"] == 2
     assert nccl["colocated watchdog/timeout lines"] == 0
     assert nccl["packet/raw"] > 0
+    # Every variant of the registry stepped at the drafter's shape, its seconds beside DFlash's.
+    variants = sections["variants"]["values"]
+    for name in VARIANTS:
+        assert variants[f"{name} step s"] > 0 and variants[f"{name} step predicted s"] > 0, name
+        assert name == "dflash" or variants[f"{name} / dflash step"] > 0, name
 
 
 @pytest.mark.slow  # subprocesses and a torchrun job
