@@ -114,8 +114,10 @@ class DraftConfig:
     # around each attention and MLP sublayer and a candidate path selector over the unary top-K.
     # dspark: DSpark (models/variants/dspark.py), "anchor as first" blocks (every slot drafts the next
     # token: B per block) with a low-rank Markov bias on each slot's logits and a confidence head.
+    # domino: Domino (models/variants/domino.py), anchor-as-first blocks whose slots k >= 1 add a logit
+    # delta from a GRU over the previous tokens' embeddings (SGLang's DFlash projector_type "domino").
     # The names of models/variants' registry (tests/unit check the two agree; config imports nothing).
-    variant: str = one_of("dflash", "dflash", "dflash2", "dspark")
+    variant: str = one_of("dflash", "dflash", "dflash2", "dspark", "domino")
     conv_kernel_size: int = num(2, ge=1)  # dflash2: taps of the convolution (in-block rows it reads)
     conv_group_size: int = num(16, ge=1)  # dflash2: channels per delta group (must divide the hidden size)
     selector_top_k: int = num(16, ge=1)  # dflash2: candidates per drafted position
@@ -126,6 +128,8 @@ class DraftConfig:
     markov_head_type: str = one_of("vanilla", "vanilla")  # dspark: the bias as vLLM 0.32's Qwen3 DSpark serves it
     enable_confidence_head: bool = True  # dspark: sigmoid(w . [h; W1[prev]] + b), an acceptance estimate per slot
     confidence_head_with_markov: bool = False  # dspark: the confidence head also reads W1[prev]
+    gru_hidden_dim: int = num(1024, ge=1)  # domino: hidden size G of the GRU over the previous tokens
+    domino_emb_dim: int = num(256, ge=1)  # domino: width E of the delta's Linear(H + G, E) -> SiLU -> Linear(E, V)
 
 
 @dataclass
@@ -200,6 +204,9 @@ class ObjectiveConfig:
     dspark_ce_weight: float = num(0.1, ge=0)
     dspark_l1_weight: float = num(0.9, ge=0)
     dspark_confidence_weight: float = num(1.0, ge=0)
+    # domino: (1 - lambda) CE(final logits) + lambda CE(base logits), lambda falling linearly from 1 to 0
+    # over this share of the run's optimizer steps (models/variants/domino_loss.py; 1.0: the whole run).
+    domino_lambda_fraction: float = num(1.0, gt=0, le=1)
 
 
 @dataclass
@@ -380,6 +387,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("config key 'model.target.num_kv_heads': must divide model.target.num_heads")
     _check_conv_taps(cfg)
     _check_dspark(cfg)
+    _check_domino(cfg)
 
 
 def _check_conv_taps(cfg: Config) -> None:
@@ -404,6 +412,21 @@ def _check_dspark(cfg: Config) -> None:
     if o.position_weights != "gamma":
         raise ConfigError("config key 'objective.position_weights': dspark weighs its slots by exp(-k/gamma) "
                           "under the prefix rule (use gamma)")
+
+
+def _check_domino(cfg: Config) -> None:
+    """Domino's loss is the cross-entropy of its own final and base logits on the data's tokens, weighed
+    by exp(-k/gamma) in its anchor-as-first layout (models/variants/domino_loss.py): another label kind
+    or D-PACE's weights would be silently ignored, so they are refused."""
+    if cfg.model.draft.variant != "domino":
+        return
+    o = cfg.objective
+    if o.labels != "data":
+        raise ConfigError(f"config key 'objective.labels': {o.labels!r} with model.draft.variant=domino, whose loss "
+                          "is the cross-entropy on the data's tokens (use data)")
+    if o.position_weights != "gamma":
+        raise ConfigError("config key 'objective.position_weights': domino weighs its slots by exp(-k/gamma) "
+                          "(use gamma)")
 
 
 def _check_liveness(d: "DistConfig") -> None:

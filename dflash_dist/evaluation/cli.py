@@ -141,11 +141,17 @@ def run_vllm(args, cfg, sets) -> dict:
     from dflash_dist.evaluation.loading import read_export_config
     from dflash_dist.evaluation.results import report
     from dflash_dist.evaluation.vllm_engine import VllmOptions, run_sets
+    from dflash_dist.models.variants import variant_of_export
+    export = read_export_config(args.draft)
+    variant = variant_of_export(export)
+    if variant.vllm_method is None:  # before any check that needs a transformers target or vLLM itself
+        raise EvalInputError(f"--draft {args.draft}: a {variant.title} drafter (dflash_config.projector_type "
+                             f"{variant.projector_type!r}), which vLLM 0.32 cannot serve (its DFlash model has no such "
+                             "head and refuses its weights); measure it with --engine hf, serve it with SGLang")
     if cfg.model.target.kind != "hf":
         raise EvalInputError("--engine vllm serves a transformers model directory: model.target.kind=hf "
                              "model.target.path=DIR")
     from dflash_dist.evaluation.loading import check_fit
-    export = read_export_config(args.draft)
     from transformers import AutoConfig
     text_cfg = AutoConfig.from_pretrained(cfg.model.target.path, local_files_only=True).get_text_config()
     # The hf engine's own checks, before any engine starts (minutes on a CPU, a GPU's memory on a node).
@@ -156,8 +162,6 @@ def run_vllm(args, cfg, sets) -> dict:
     from dflash_dist.evaluation.hf_engine import check_context
     context = args.max_model_len or text_cfg.max_position_embeddings
     check_context(context, sets, chat)
-    from dflash_dist.models.variants import variant_of_export
-    variant = variant_of_export(export)
     opts = VllmOptions(target=cfg.model.target.path, draft=str(args.draft),
                        block_size=variant.drafts(int(export["block_size"])) + 1, method=variant.vllm_method,
                        context=context, dtype=cfg.model.target.dtype, kv_cache_gib=args.kv_cache_gib,

@@ -75,7 +75,8 @@ def draft_spec(cfg: Config, target) -> DraftSpec:
         selector_rank=d.selector_rank, output_multiplier=d.output_multiplier,
         final_logit_softcapping=d.final_logit_softcapping, markov_rank=d.markov_rank,
         markov_head_type=d.markov_head_type, enable_confidence_head=d.enable_confidence_head,
-        confidence_head_with_markov=d.confidence_head_with_markov)
+        confidence_head_with_markov=d.confidence_head_with_markov, gru_hidden_dim=d.gru_hidden_dim,
+        domino_emb_dim=d.domino_emb_dim)
 
 
 def build_drafter(spec: DraftSpec, target, seed: int, device: torch.device,

@@ -40,7 +40,8 @@ class DraftSpec:
     # to the target's, and SGLang refuses a draft with a shorter context (docs/serving.md).
     max_position_embeddings: int = 40960
     # A name of models/variants' registry: `dflash`, `dflash2` (the grouped convolution and the selector),
-    # `dspark` (anchor-as-first blocks, the Markov bias and the confidence head).
+    # `dspark` (anchor-as-first blocks, the Markov bias and the confidence head), `domino` (anchor-as-first
+    # blocks, the GRU logit delta).
     variant: str = "dflash"
     conv_kernel_size: int = 2
     conv_group_size: int = 16
@@ -52,6 +53,8 @@ class DraftSpec:
     markov_head_type: str = "vanilla"
     enable_confidence_head: bool = True
     confidence_head_with_markov: bool = False
+    gru_hidden_dim: int = 1024  # domino: the GRU's hidden size G
+    domino_emb_dim: int = 256  # domino: the delta MLP's width E (exported as emb_dim)
 
     @property
     def family(self) -> Variant:

@@ -6,7 +6,8 @@ model.safetensors: layers.*, fc.weight, hidden_norm.weight, norm.weight only (th
 are the target's; DFlash 2 adds `layers.N.{attention_conv,mlp_conv}.*` and `candidate_selector.*`, the
 architecture DFlash2DraftModel and its dflash_config keys, as z-lab's dflash2 fixture has them; DSpark
 adds `markov_head.*` and `confidence_head.*` (float32), the architecture Qwen3DSparkModel and its
-top-level keys, vLLM 0.32's qwen3_dspark.py contract); README.md: a model card saying what it was trained against and on, its tau, and the
+top-level keys, vLLM 0.32's qwen3_dspark.py contract; Domino adds `prefix_gru.*` and `embed_proj.*` under
+DFlashDraftModel with dflash_config.projector_type "domino", SGLang's contract); README.md: a model card saying what it was trained against and on, its tau, and the
 exact settings that serve it in SGLang and vLLM (docs/serving.md says why each matters).
 """
 from __future__ import annotations
@@ -68,8 +69,10 @@ def serving_settings(spec: DraftSpec, draft: str = "EXPORT_DIR", target: str = "
     k = spec.family.drafts(spec.block_size)
     vllm_spec = {"method": spec.family.vllm_method, "model": draft, "num_speculative_tokens": k}
     return {
-        "vllm": {"speculative_config": vllm_spec,
-                 "command": f"vllm serve {target} --speculative-config '{json.dumps(vllm_spec)}'"},
+        # None: vLLM cannot serve this variant (Domino: no projector in vLLM 0.32's DFlash model).
+        "vllm": None if spec.family.vllm_method is None else {
+            "speculative_config": vllm_spec,
+            "command": f"vllm serve {target} --speculative-config '{json.dumps(vllm_spec)}'"},
         "sglang": {"speculative_algorithm": "DFLASH", "speculative_draft_model_path": draft,
                    "speculative_dflash_block_size": spec.block_size,
                    "command": f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
@@ -83,7 +86,7 @@ def model_card(spec: DraftSpec, facts: dict | None = None) -> str:
     facts = facts or {}
     target = facts.get("target") or "TARGET"
     serve = serving_settings(spec, "EXPORT_DIR", target)
-    k = serve["vllm"]["speculative_config"]["num_speculative_tokens"]
+    k = spec.family.drafts(spec.block_size)
     data = facts.get("data") or {}
     tau = facts.get("tau")
     rows = [("target", f"`{target}`: {spec.num_target_layers} layers, hidden size {spec.hidden_size}, "
@@ -100,17 +103,8 @@ def model_card(spec: DraftSpec, facts: dict | None = None) -> str:
     rows += spec.family.card_rows(spec)
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
     v, s, notes = serve["vllm"], serve["sglang"], spec.family.card_notes()
-    return f"""# {spec.family.title} drafter (dflash_dist export)
-
-A block-diffusion speculative-decoding drafter in the z-lab DFlash format (`config.json`,
-`model.safetensors`: decoder layers, `fc`, `hidden_norm`, `norm`; the embedding and LM head are the
-target's). Replace EXPORT_DIR by this directory's path.
-
-| | |
-|---|---|
-{table}
-
-## Serve it with vLLM
+    vllm = f"""## vLLM
+{notes.get("vllm", "")}""" if v is None else f"""## Serve it with vLLM
 
 `num_speculative_tokens` must be {k} ({"block size - 1" if k == spec.block_size - 1 else "the block size"}): vLLM does not read `block_size`.{notes.get("vllm", "")}
 
@@ -121,7 +115,18 @@ target's). Replace EXPORT_DIR by this directory's path.
 ```python
 from vllm import LLM
 llm = LLM(model="{target}", speculative_config={json.dumps(v["speculative_config"])})
-```
+```"""
+    return f"""# {spec.family.title} drafter (dflash_dist export)
+
+A block-diffusion speculative-decoding drafter in the z-lab DFlash format (`config.json`,
+`model.safetensors`: decoder layers, `fc`, `hidden_norm`, `norm`; the embedding and LM head are the
+target's). Replace EXPORT_DIR by this directory's path.
+
+| | |
+|---|---|
+{table}
+
+{vllm}
 
 ## Serve it with SGLang
 

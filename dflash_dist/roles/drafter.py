@@ -27,6 +27,7 @@ from dflash_dist.checkpoints.store import Cursor
 from dflash_dist.data.collate import collate, warm_up_batch
 from dflash_dist.models import attention
 from dflash_dist.models.build import build_drafter
+from dflash_dist.models.variants import RunProgress
 from dflash_dist.training.objective import anchor_generator, draw_anchors, loss_denominator
 from dflash_dist.plan.epochs import BatchPlan, epoch_plan, plan_digest
 from dflash_dist.roles.reporter import evaluates, make_reporter
@@ -277,10 +278,15 @@ class Drafter:
         o, d = self.run.cfg.objective, packet.batch_data
         anchors, anchor_cu = draw_anchors(d.loss_mask, d.cu_seqlens, o.num_anchors,
                                           anchor_generator(self.run.cfg.train.seed, epoch, b))
-        m = drafter_step(self.state.model, StepBatch(d, packet.features, packet.target, anchors, anchor_cu),
+        m = drafter_step(self.state.model, StepBatch(d, packet.features, packet.target, anchors, anchor_cu,
+                                                     self.progress()),
                          self.settings, scale=scale, before_last_chunk=self.sharding.before_last_chunk)
         stats.take_metrics(m)  # device tensors stay on the device: packed there
         stats.tokens, stats.seqs, stats.batches = d.num_tokens, d.num_seqs, 1
+
+    def progress(self) -> RunProgress:
+        """The coming step's place in the run: steps taken (restored on resume) of the exact total."""
+        return RunProgress(self.state.totals.steps, self.total_steps)
 
     def _reduce(self, stats: StepStats) -> StepStats:
         """Sum the step's stats over drafters (and take the newest target counters)."""
@@ -312,7 +318,7 @@ class Drafter:
         batch = warm_up_batch(B, self.device)
         anchors, anchor_cu = draw_anchors(batch.loss_mask, batch.cu_seqlens, 2, torch.Generator().manual_seed(0))
         feats = torch.zeros(batch.num_tokens, self.packets.feat_dim, dtype=self.packets.dtype, device=self.device)
-        drafter_step(self.state.model, StepBatch(batch, feats, None, anchors, anchor_cu),
+        drafter_step(self.state.model, StepBatch(batch, feats, None, anchors, anchor_cu, self.progress()),
                      replace(self.settings, anchor_chunk=1), scale=scale,
                      before_last_chunk=self.sharding.before_last_chunk)
 

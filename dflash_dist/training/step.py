@@ -25,7 +25,7 @@ import torch
 from dflash_dist.config import ObjectiveConfig
 from dflash_dist.data.collate import PackedBatch
 from dflash_dist.models.drafter import DFlashDrafter, DraftSpec, anchor_seq_starts
-from dflash_dist.models.variants import LossChunk
+from dflash_dist.models.variants import LossChunk, RunProgress
 from dflash_dist.training.objective import (StepMetrics, argmax_block_labels, block_labels, lm_head_loss,
                                    loss_denominator, no_head_loss, soft_block_targets)
 from dflash_dist.parallel.transport import TargetLabels
@@ -71,12 +71,15 @@ def step_settings(objective: ObjectiveConfig, spec: DraftSpec, autocast_dtype: t
 @dataclass
 class StepBatch:
     """A packed batch as the step trains on it: its target features (N, n_layers * H), the target's
-    labels (distillation; None: the data's), and its anchors (packed indices) with their offsets per sequence."""
+    labels (distillation; None: the data's), its anchors (packed indices) with their offsets per sequence,
+    and where the step stands in its run (a variant's schedule reads it: Domino's lambda; the run passes
+    its step and exact total, a benchmark's lone step the default, which costs the same)."""
     data: PackedBatch
     features: torch.Tensor
     target: TargetLabels | None
     anchors: torch.Tensor
     anchor_cu: torch.Tensor
+    progress: RunProgress = RunProgress()
 
 def batch_targets(batch: PackedBatch, target: TargetLabels | None, anchors, anchor_cu, block_size: int,
                   gamma: float, dpace: bool = False, variant=None):
@@ -153,7 +156,8 @@ def drafter_step(model: DFlashDrafter, batch: StepBatch, settings: StepSettings,
                                              rows=o.loss_rows, dpace_alpha=o.dpace_alpha, top_k=top_k)
         else:  # the variant's term is the whole loss (DSpark: its slot logits carry a bias of their own)
             (loss_sum, m), top = no_head_loss(labels[sl], weights[sl]), []
-        terms = LossChunk(data.input_ids, anchors[sl], labels[sl], weights[sl], o.loss_rows, batch.features)
+        terms = LossChunk(data.input_ids, anchors[sl], labels[sl], weights[sl], o.loss_rows, batch.features,
+                          batch.progress)
         loss_sum, m = variant.loss_term(model, hidden, terms, loss_sum, m, top[0] if top else None,
                                         o.variant_options)
         if not last:

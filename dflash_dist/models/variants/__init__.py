@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 from dflash_dist.config import ConfigError
-from dflash_dist.models.variants.base import LossChunk, Variant, accepted_lengths
+from dflash_dist.models.variants.base import LossChunk, RunProgress, Variant, accepted_lengths
 from dflash_dist.models.variants.dflash import DFlash
 from dflash_dist.models.variants.dflash2 import DFlash2
+from dflash_dist.models.variants.domino import Domino
 from dflash_dist.models.variants.dspark import DSpark
 
-VARIANTS: dict[str, Variant] = {v.name: v for v in (DFlash(), DFlash2(), DSpark())}
+VARIANTS: dict[str, Variant] = {v.name: v for v in (DFlash(), DFlash2(), DSpark(), Domino())}
 
 
 def variant_of(name: str) -> Variant:
@@ -20,9 +21,17 @@ def variant_of(name: str) -> Variant:
 
 def variant_of_export(cfg: dict) -> Variant:
     """The variant an export's config.json declares by its architecture (the engines read the same); an
-    architecture no variant claims is the plain DFlash drafter's (z-lab's exports name DFlashDraftModel)."""
+    architecture no variant claims is the plain DFlash drafter's (z-lab's exports name DFlashDraftModel).
+    Variants of one architecture differ by `dflash_config.projector_type`, as SGLang tells them apart
+    (Domino: DFlashDraftModel with projector_type "domino", whatever the architecture says)."""
     archs = cfg.get("architectures") or []
-    return next((v for v in VARIANTS.values() if v.architecture in archs), VARIANTS["dflash"])
+    projector = (cfg.get("dflash_config") or {}).get("projector_type")
+    if projector is not None:
+        for v in VARIANTS.values():
+            if v.projector_type == projector:
+                return v
+    return next((v for v in VARIANTS.values() if v.architecture in archs and v.projector_type is None),
+                VARIANTS["dflash"])
 
 
-__all__ = ["VARIANTS", "LossChunk", "Variant", "accepted_lengths", "variant_of", "variant_of_export"]
+__all__ = ["VARIANTS", "LossChunk", "RunProgress", "Variant", "accepted_lengths", "variant_of", "variant_of_export"]

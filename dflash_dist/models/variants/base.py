@@ -31,6 +31,15 @@ def accepted_lengths(hits: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class RunProgress:
+    """Where a training step stands in its run, for a variant whose loss follows a schedule (Domino's
+    lambda): the optimizer steps taken before it (restored on resume) and the run's exact total (0: not
+    known, a benchmark's or a test's lone step)."""
+    step: int = 0
+    total: int = 0
+
+
+@dataclass(frozen=True)
 class LossChunk:
     """One anchor chunk of a batch as a variant's loss term sees it: the packed batch's token ids, the
     chunk's anchors (packed indices), its labels and position weights (A, B), the LM head's row chunk,
@@ -41,6 +50,7 @@ class LossChunk:
     weights: torch.Tensor
     rows: int
     features: torch.Tensor | None = None
+    progress: RunProgress = RunProgress()
 
 
 class Variant:
@@ -49,6 +59,8 @@ class Variant:
     name = "dflash"
     title = "DFlash"  # the model card's heading
     architecture = "DFlashDraftModel"  # config.json's `architectures`: the engines pick their model class by it
+    # dflash_config.projector_type: what tells variants of one architecture apart (Domino's "domino"; None: absent)
+    projector_type: str | None = None
     config_keys: tuple[str, ...] = ()  # DraftSpec fields of this variant, exported in dflash_config
     # The block's layout. DFlash: slot 0 holds the anchor and drafts nothing, slot k drafts anchor + k
     # (B - 1 drafts). Anchor as first (DSpark): slot k drafts anchor + k + 1, every slot a draft (B).
@@ -62,7 +74,7 @@ class Variant:
     final_hidden_features = False
     # State-dict prefixes exported in float32 whatever the export's dtype (the engine's params are).
     float32_prefixes: tuple[str, ...] = ()
-    vllm_method = "dflash"  # vLLM's speculative method for this architecture
+    vllm_method: str | None = "dflash"  # vLLM's speculative method for this architecture (None: vLLM cannot serve it)
 
     # -- build ---------------------------------------------------------------------------------------
     def check(self, draft_cfg, target) -> None:

@@ -1,0 +1,105 @@
+"""Domino: the DFlash backbone with "anchor as first" blocks and a GRU logit correction on every slot after
+the first (`domino_head.py`), trained by `domino_loss.py`; served by SGLang's DFLASH algorithm, which reads
+it from the DFlash architecture `DFlashDraftModel` with `dflash_config.projector_type: "domino"`
+(sglang/srt/speculative/dflash_utils.py, sglang/srt/models/dflash.py, sglang/srt/speculative/domino_utils.py).
+vLLM 0.32 has no Domino head: its DFlash model (vllm/model_executor/models/qwen3_dflash.py) reads no
+projector_type and its weight loader refuses the export's `prefix_gru.*` tensors (AutoWeightsLoader: "There
+is no module or parameter named ..."), so the evaluator refuses `--engine vllm` up front (`vllm_method` None).
+
+Layout and conventions (checked against SpecForge's specforge/modeling/draft/domino.py and SGLang's
+domino_utils.py; see domino_head.py for the GRU's): the block is [anchor, MASK x (B-1)] and slot k drafts
+the token at anchor + k + 1 (`shift_label: true`), slot 0 from the base logits alone
+(`pure_draft_prefix_len: 1`), slot k >= 1 with the GRU state over the anchor and the k tokens after it.
+Training labels every slot whose token lies inside the sequence and the loss mask (SpecForge's per-slot
+weight mask: no prefix rule), weighted exp(-k/gamma) (gamma 7 unless `objective.gamma` says otherwise).
+
+Drafts per block: this project's decoders draft with all B slots (B drafts, up to B + 1 tokens a verify
+step), as DSpark's layout does. SGLang's rollout proposes B - 1 (`num_proposals = block_size - 1`: its
+verify window is the block), the first B - 1 of the same drafts, so an SGLang step commits at most B;
+SpecForge's `_sample_draft_tokens` also drafts B - 1. The model card says so.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from dflash_dist.models.variants.base import LossChunk, Variant
+from dflash_dist.models.variants.domino_head import domino_heads, domino_rollout
+from dflash_dist.models.variants.domino_loss import DominoOptions, domino_lambda, domino_term
+from dflash_dist.models.variants.dspark_loss import slot_metrics
+
+# The position decay exp(-k / 7) where objective.gamma leaves it to the variant (issue 35's default).
+GAMMA = 7.0
+PROJECTOR = "domino"
+
+_VLLM = """
+vLLM 0.32 does not serve Domino: its DFlash model (`qwen3_dflash.py`) has no GRU head and its weight loader
+refuses this export's `prefix_gru.*` and `embed_proj.*` tensors ("There is no module or parameter named
+..."); `dflash_dist.evaluate --engine vllm` refuses it up front (exit 2). Serve it with SGLang."""
+_SGLANG = """
+SGLang's DFLASH algorithm reads `dflash_config.projector_type: "domino"` and runs the GRU head
+(`domino_greedy_rollout`, CUDA only). It proposes block size - 1 tokens per step (its verify window is the
+block), the first of this drafter's B drafts; by default it scores a 2,048-token candidate pool of the
+base logits (`--speculative-domino-candidate-pool-size`, 0: the whole vocabulary, the drafts this
+project's decoders make)."""
+
+
+class Domino(Variant):
+    name = "domino"
+    title = "Domino"
+    architecture = "DFlashDraftModel"  # SGLang's DFlash model class; the projector type tells Domino apart
+    projector_type = PROJECTOR
+    anchor_drafts = True
+    prefix_labels = False
+    unary_loss = False
+    vllm_method = None  # vLLM 0.32 cannot serve it
+
+    def heads(self, s):
+        return domino_heads(s.hidden_size, s.gru_hidden_dim, s.domino_emb_dim, s.vocab_size)
+
+    def gamma(self, objective) -> float:
+        return objective.gamma or GAMMA
+
+    def options(self, objective) -> DominoOptions:
+        return DominoOptions(objective.domino_lambda_fraction)
+
+    def loss_term(self, model, hidden, chunk: LossChunk, loss_sum, metrics, top, options: DominoOptions):
+        """The whole loss (`domino_loss.py`) at this step's lambda; acc and acceptance follow the final
+        logits (what decoding drafts), every slot a draft."""
+        lam = domino_lambda(chunk.progress.step, chunk.progress.total, options.lambda_fraction)
+        loss, pred = domino_term(model, hidden, chunk, lam)
+        correct, accept_sum = slot_metrics(pred, chunk.labels)
+        return loss, replace(metrics, loss_sum=loss.detach(), correct=correct, accept_sum=accept_sum)
+
+    @torch.no_grad()
+    def block_tokens(self, model, hidden, anchor_ids):
+        """(N, B): the greedy rollout, each slot's GRU fed the tokens drafted before it."""
+        return domino_rollout(model, hidden, anchor_ids)[0]
+
+    def config_fields(self, spec) -> dict:
+        # SGLang's parse_dflash_draft_config reads these from dflash_config (emb_dim also at the top level,
+        # where SpecForge's configs/qwen3-8b-domino.json has it; both are written and must agree).
+        return {"dflash_config": {"block_size": spec.block_size, "projector_type": PROJECTOR,
+                                  "gru_hidden_dim": spec.gru_hidden_dim, "emb_dim": spec.domino_emb_dim,
+                                  "shift_label": True, "pure_draft_prefix_len": 1},
+                "emb_dim": spec.domino_emb_dim}
+
+    def spec_fields(self, cfg: dict) -> dict:
+        dc = cfg["dflash_config"]
+        if dc.get("shift_label") is not True or dc.get("pure_draft_prefix_len") != 1:
+            raise ValueError(f"a Domino export with shift_label={dc.get('shift_label')!r}, pure_draft_prefix_len="
+                             f"{dc.get('pure_draft_prefix_len')!r}: this project decodes shift_label true and "
+                             "pure_draft_prefix_len 1 only (SGLang's requirement too)")
+        return {"variant": self.name, "gru_hidden_dim": int(dc["gru_hidden_dim"]),
+                "domino_emb_dim": int(dc.get("emb_dim", cfg.get("emb_dim")))}
+
+    def card_rows(self, spec):
+        return [("Domino", f"anchor as first ({spec.block_size} drafts per block; SGLang proposes "
+                           f"{spec.block_size - 1}); GRU over the previous tokens' embeddings, hidden "
+                           f"{spec.gru_hidden_dim}; logit delta Linear({spec.hidden_size + spec.gru_hidden_dim}, "
+                           f"{spec.domino_emb_dim}) -> SiLU -> Linear({spec.domino_emb_dim}, {spec.vocab_size}) on "
+                           "slots 1..B-1")]
+
+    def card_notes(self):
+        return {"vllm": _VLLM, "sglang": _SGLANG}

@@ -1,0 +1,108 @@
+"""Domino's objective, the whole loss of an anchor chunk (the plain head's pass is not run:
+`Domino.unary_loss` is False), and the schedule of its mixing weight lambda.
+
+At each trained slot k (anchor-as-first labels, per-slot mask, weights w_k = exp(-k/gamma) from the step),
+with base logits b_k = lm_head(h_k) and final logits z_k = b_k + W2 . SiLU(W1 . [h_k; s_k]) (z_0 = b_0;
+`domino_head.py`, s_k the GRU state over the data tokens before slot k's):
+
+  w_k * ( (1 - lambda) * CE(z_k, label_k) + lambda * CE(b_k, label_k) )
+
+summed, not normalised (the step divides by the step's all-reduced weight sum like the unary loss).
+lambda falls linearly from 1 to 0 over the first fraction f (`objective.domino_lambda_fraction`) of the
+run's optimizer steps: lambda(s) = max(0, 1 - s / max(1, floor(f * T))) at the step that follows s taken
+steps of T, SpecForge's `linear_lambda_base` (specforge/training/strategies/base.py, lambda_start 1); with no
+known total (T = 0: a benchmark's or a test's lone step) lambda is 0, as SpecForge's "no schedule horizon".
+The run passes (s, T) in each `StepBatch.progress`; s is the checkpointed step count, so a resumed run
+continues the schedule exactly.
+
+Memory: `rows` labelled rows at a time; each chunk's gradients (into h, the delta features a and W2) are
+computed in the forward on two float32 (rows, V) buffers, the base logits' softmax and the final's, and
+only they are kept (rows x H, rows x E, V x E), as the unary loss keeps its own
+(`training.objective._ChunkedHeadLoss`) and DSpark's does (`dspark_loss._HeadTerms`). The GRU and W1 are
+small (rows x (H + G)) and left to autograd through a.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from dflash_dist.models.variants.domino_head import delta_features, prefix_states
+from dflash_dist.models.variants.dspark_loss import previous_tokens
+
+
+@dataclass(frozen=True)
+class DominoOptions:
+    lambda_fraction: float  # objective.domino_lambda_fraction: lambda reaches 0 after this share of the run
+
+
+def domino_lambda(step: int, total: int, fraction: float) -> float:
+    """lambda at the optimizer step after `step` taken ones of a run of `total` (0: none known)."""
+    if total <= 0:
+        return 0.0
+    return max(0.0, 1.0 - step / max(1, math.floor(fraction * total)))
+
+
+class _MixedCE(torch.autograd.Function):
+    """sum_r w_r * ((1 - lam) * ce(b_r + a_r . W2) + lam * ce(b_r)) over the selected rows, `rows` rows of
+    logits at a time, with each row's final argmax (non-differentiable). Gradients, computed in the forward
+    chunk by chunk: d/db = w * ((1 - lam) * p + lam * p_b - onehot), d/d(delta) = w * (1 - lam) * (p - onehot),
+    p and p_b the softmaxes of the final and the base logits."""
+
+    @staticmethod
+    def forward(ctx, h, a, w2, head_w, labels, wts, rows: int, lam: float, need_grad: bool):
+        n = h.shape[0]
+        loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        pred = torch.empty(n, dtype=torch.long, device=h.device)
+        if need_grad:
+            gh, ga, gw2 = torch.empty_like(h), torch.empty_like(a), torch.zeros_like(w2)
+        for i in range(0, n, rows):
+            j = min(n, i + rows)
+            lab, w, ak = labels[i:j, None], wts[i:j], a[i:j]
+            pb = (h[i:j] @ head_w.T).float()  # base logits b
+            p = torch.addmm(pb, ak, w2.T)  # final logits z = b + delta
+            pred[i:j] = p.argmax(-1)
+            ce = torch.zeros_like(w)
+            for q, share in ((p, 1.0 - lam), (pb, lam)):
+                at, top = q.gather(1, lab)[:, 0], q.max(-1).values
+                q.sub_(top[:, None]).exp_()
+                total = q.sum(-1)
+                q.div_(total[:, None])  # the softmax, in place
+                ce += share * (top + total.log() - at)
+            loss += (w * ce).sum()
+            if need_grad:
+                minus_one = torch.full_like(w, -1.0)[:, None]
+                g = p.scatter_add_(1, lab, minus_one).mul_((w * (1.0 - lam))[:, None])  # d/d(delta)
+                gb = pb.scatter_add_(1, lab, minus_one).mul_((w * lam)[:, None]).add_(g)  # d/db
+                gh[i:j], ga[i:j] = gb.to(head_w.dtype) @ head_w, g @ w2
+                gw2.addmm_(g.T, ak)
+        ctx.mark_non_differentiable(pred)
+        if need_grad:
+            ctx.save_for_backward(gh, ga, gw2)
+        return loss, pred
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_pred):
+        gh, ga, gw2 = ctx.saved_tensors
+        return gh * grad_loss, ga * grad_loss, gw2 * grad_loss, *([None] * 6)
+
+
+def domino_term(model, hidden: torch.Tensor, chunk, lam: float):
+    """(sum of w * loss, differentiable; pred (A, B) the final argmax at labelled slots, -1 elsewhere)."""
+    head_w = model.lm_head.weight
+    A, B, H = hidden.shape
+    sel = torch.nonzero(chunk.labels.reshape(-1) >= 0).squeeze(1)
+    # Teacher forcing: slot k's GRU state has consumed the data tokens at anchor .. anchor + k.
+    states = prefix_states(model, previous_tokens(chunk.input_ids, chunk.anchors, B)).reshape(A * B, -1)[sel]
+    h = hidden.reshape(A * B, H)[sel]
+    drafts_delta = (sel % B != 0).float()[:, None]  # slot 0: the base logits alone (pure_draft_prefix_len 1)
+    a = delta_features(model, h, states) * drafts_delta
+    labels, wts = chunk.labels.reshape(-1)[sel], chunk.weights.reshape(-1)[sel].float()
+    w2 = model.embed_proj[2].weight
+    h = h.to(head_w.dtype)
+    need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (h, a, w2))
+    loss, rows_pred = _MixedCE.apply(h, a, w2, head_w, labels, wts, chunk.rows, float(lam), need_grad)
+    pred = torch.full((A * B,), -1, dtype=torch.long, device=hidden.device)
+    pred[sel] = rows_pred
+    return loss, pred.view(A, B)
