@@ -239,12 +239,12 @@ def _target_layer_bytes(s: ModelShapes, sparse: bool, c: int, tp: int) -> float:
 def target_terms(s: ModelShapes, p: Precision, cfg: Config, w: BatchShape, sharding: Sharding = Sharding()) -> RoleCost:
     """One target replica's work on batch `w`, per rank of the replica (tensor parallel divides it)."""
     tp, c, N = max(1, sharding.tensor_parallel), p.target_bytes, w.tokens
-    distill = cfg.objective.labels != "data"
+    width = target_label_width(cfg.objective.labels, cfg.objective.soft_top_k)
+    distill = width > 0  # the target's own logits (target_full's distribution is the drafter's: below)
     last = s.layers if runs_whole_target(cfg) else max(s.feature_layers) + 1  # else capture stops after the last captured layer
     sparse = sum(1 for i in s.sparse_layers if i < last)
     elem = (last - sparse) * _target_layer_bytes(s, False, c, tp) + sparse * _target_layer_bytes(s, True, c, tp)
     matmul, attention = target_forward_flops(s, w.seq_lens or (N,), last)
-    width = target_label_width(cfg.objective.labels, cfg.objective.soft_top_k)
     t = {
         "layers": Term("matmul", matmul / tp),
         "attention": Term("causal_attention", attention / tp),
@@ -293,6 +293,10 @@ def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, w: BatchShape, chun
         t.update(dflash2_terms(s, cfg, R, rows, w.anchors, c))
     if cfg.model.draft.variant == "dspark":
         t.update(dspark_terms(s, cfg, rows, c))
+    if cfg.objective.labels == "target_full":  # objective._distill_rows: the target's logits (forward only),
+        # its log-softmax and p_t, the KL and L1 passes: about as much element-wise work again as the loss's
+        t["distill_head"] = Term("matmul", 2 * rows * H * V)
+        t["distill_loss"] = Term("memory", rows * V * (LOSS_BYTES_F32 + (c + 4 if c != 4 else 0)))
     if cfg.model.draft.checkpoint_layers:
         # torch's non-reentrant checkpoint stops once the saved tensors are rebuilt: no layer's down_proj
         down = 2 * R * L * s.hidden * s.draft_intermediate

@@ -32,7 +32,7 @@ import numpy as np
 
 from dflash_dist.config import Config, measures_tau
 from dflash_dist.data.anchors import anchors_per_sample, tail_anchorable
-from dflash_dist.parallel.transport import target_label_width
+from dflash_dist.parallel.transport import sends_final_hidden, target_label_width
 from dflash_dist.models.variants import variant_of
 from dflash_dist.forecast.shapes import KNOWN_ARCHS, ModelShapes, model_shapes
 
@@ -346,15 +346,20 @@ def draft_param_count(s: ModelShapes, cfg: Config) -> int:
 
 def feature_blocks(s: ModelShapes, cfg: Config) -> int:
     """H-wide blocks of each token's features on the wire and on the drafter: the captured layers', and
-    the target's final-normed last hidden state for a variant that asks for it (DSpark's teacher;
-    `Variant.final_hidden_features`, as parallel/transport.py's packet_spec counts them)."""
-    return len(s.feature_layers) + int(variant_of(cfg.model.draft.variant).final_hidden_features)
+    the target's final-normed last hidden state where `sends_final_hidden` says so (a variant that asks
+    for it, DSpark's teacher; objective.labels=target_full), as parallel/transport.py's packet_spec counts them."""
+    return len(s.feature_layers) + int(_sends_final(cfg))
+
+
+def _sends_final(cfg: Config) -> bool:
+    return sends_final_hidden(cfg.objective.labels, variant_of(cfg.model.draft.variant).final_hidden_features)
 
 
 def runs_whole_target(cfg: Config) -> bool:
-    """Whether a target's forward runs past the last captured layer to its final norm: distillation
-    labels read its logits, a final-hidden variant its last state (training/capture.py)."""
-    return cfg.objective.labels != "data" or variant_of(cfg.model.draft.variant).final_hidden_features
+    """Whether a target's forward runs past the last captured layer to its final norm: the target's
+    predictions as labels read its logits, the final state sent (`sends_final_hidden`) is its last state
+    (training/capture.py)."""
+    return target_label_width(cfg.objective.labels, cfg.objective.soft_top_k) > 0 or _sends_final(cfg)
 
 
 def dspark_loss_bytes(s: ModelShapes, p: Precision, cfg: Config, rows: int, labelled: int) -> tuple[int, int]:
@@ -445,7 +450,9 @@ def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, worst: BatchShape, 
     # DSpark drafts every slot (anchor as first) and its loss replaces the plain head's.
     spark_saved, spark_chunk = dspark_loss_bytes(s, p, cfg, rows, R)
     tail += sel_saved + spark_saved
-    loss_chunk = spark_chunk or rows * V * (4 + (c if c != 4 else 0))
+    # target_full (objective._distill_rows): the target's logits, the slot's and p_t, three float32 (rows, V).
+    full = cfg.objective.labels == "target_full"
+    loss_chunk = spark_chunk or rows * V * (12 if full else 4 + (c if c != 4 else 0))
     loss_chunk += R * c * H if c != 4 else 0
     # Backward peaks at its start, before any saved tensor is freed: the hidden states' gradient (and its
     # float32 cast) and the final norm's float32 temporaries, about five (R, H) float32 in all (measured).
@@ -502,8 +509,8 @@ def target_terms(s: ModelShapes, p: Precision, cfg: Config, worst: BatchShape,
     tp = max(1, sharding.tensor_parallel)
     ids = set(s.feature_layers)
     nf = feature_blocks(s, cfg)
-    distill = cfg.objective.labels != "data"
     w = target_label_width(cfg.objective.labels, cfg.objective.soft_top_k)
+    distill = w > 0  # the target computes logits for its labels (target_full's are the drafter's)
     feats = N * nf * H * c
     # A decoder layer without grad peaks in its MLP: the residual stream, the normed input, then
     # silu(gate), up and their product side by side (gate itself is freed by silu); a sparse layer at its

@@ -3,15 +3,17 @@
 A packet is three contiguous tensors, sent in this order on the data backend's device:
   header   int64 (HEADER_LEN,): magic, epoch, batch, tokens, seqs, feature dim, sender compute/wait us
   meta     int64 (2N + S + 1,): token ids | loss mask | cu_seqlens
-  features (N, F) in the transfer dtype: the captured layers concatenated on the feature axis (and, for
-           a variant that asks, `final_hidden_features`, the target's final-normed last state after them)
-With distillation labels (`objective.labels` != data) the target's predictions ride along (TargetLabels):
+  features (N, F) in the transfer dtype: the captured layers concatenated on the feature axis (and, where
+           `sends_final_hidden`: a variant that asks or objective.labels=target_full, the target's
+           final-normed last state after them)
+With the target's predictions as labels (target_argmax, target_soft) they ride along (TargetLabels):
   meta     int64 (2N + S + 1 + wN,): ... | the target's ids per token, row-major (N, w): w = 1 for
            target_argmax (its argmax), w = k for target_soft (its top-k indices, best first)
   values   float32 (N, k), target_soft only, a 4th tensor after the features: the matching top-k logits
            (float32 whatever the transfer dtype: the softmax over them is the training target)
 w and k follow from the config, which every rank shares, so the receiver still sizes everything from the
-plan; with data labels the packet is exactly the three tensors above.
+plan; with data labels (and target_full, whose distribution the drafter computes from the final state)
+the packet is exactly the three tensors above.
 
 Every rank holds the plan, so the receiver sizes all three buffers before the bytes arrive and posts
 them ahead of need (prefetch). It checks the header before it touches the payload and raises
@@ -109,16 +111,28 @@ class PacketSpec:
 
 
 def target_label_width(labels: str, soft_top_k: int) -> int:
-    """Target ids sent per token: 0 for data labels, 1 (the argmax) or the top-k indices."""
-    return {"data": 0, "target_argmax": 1, "target_soft": soft_top_k}[labels]
+    """Target ids sent per token: 0 for data labels, 1 (the argmax) or the top-k indices; 0 for
+    target_full, whose labels the drafter reads off the distribution it computes (its top-1). A target
+    computes logits for its packets exactly when this is > 0."""
+    return {"data": 0, "target_argmax": 1, "target_soft": soft_top_k, "target_full": 0}[labels]
+
+
+def sends_final_hidden(labels: str, variant_asks: bool) -> bool:
+    """The one rule for the target's final-normed last hidden state as one more H-wide block of each
+    token's features: a variant asks for it (`Variant.final_hidden_features`: DSpark's teacher), or the
+    labels are target_full (the drafter's teacher distribution, softmax(lm_head(last))). The packet's width
+    (`packet_spec`), the capture (training/capture.py, for every caller: the roles, the benchmarks) and the
+    forecasts (forecast/memory.py `feature_blocks`, `runs_whole_target`) all read it here."""
+    return variant_asks or labels == "target_full"
 
 
 def packet_spec(cfg: Config, spec: DraftSpec, device: torch.device) -> PacketSpec:
     """The one packet specification of a run (sender and receiver both build it from the config)."""
     t = cfg.transport.dtype
     dtype = compute_dtype(cfg.model.target.dtype if t == "auto" else t, device)
-    # A variant may ask for the target's final-normed hidden state as one more H-wide block (DSpark's teacher).
-    blocks = len(spec.target_layer_ids) + int(spec.family.final_hidden_features)
+    # The target's final-normed hidden state as one more H-wide block (DSpark's teacher; target_full's).
+    blocks = len(spec.target_layer_ids) + int(sends_final_hidden(cfg.objective.labels,
+                                                                 spec.family.final_hidden_features))
     return PacketSpec(feat_dim=blocks * spec.hidden_size, dtype=dtype,
                       label_width=target_label_width(cfg.objective.labels, cfg.objective.soft_top_k),
                       soft=cfg.objective.labels == "target_soft")

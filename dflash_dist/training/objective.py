@@ -11,8 +11,12 @@ anchors on any rank.
 
 Labels (`objective.labels`): `data` trains slot k on the token at anchor + k; `target_argmax` on the
 target's greedy token for that position and `target_soft` on the target's top-k distribution for it, both
-read from the target's logits at anchor + k - 1 (a causal LM's prediction for the next position). The
-slots that count and their weights are those of `block_labels` in every mode.
+read from the target's logits at anchor + k - 1 (a causal LM's prediction for the next position);
+`target_full` on the target's whole distribution there, softmax(lm_head(last)) of its final-normed last
+hidden state, which the drafter computes in the loss's row chunks (`FullTarget`, `lm_head_loss`): forward
+KL and the L1 distance, its top-1 the label of the metrics. An anchor-as-first variant (DSpark's layout)
+reads slot k's at anchor + k (`label_positions`). The slots that count and their weights are those of
+`block_labels` in every mode.
 """
 from __future__ import annotations
 
@@ -116,12 +120,19 @@ def predictions_from_hidden(final: torch.Tensor, lm_head, labels: str, soft_top_
     return ids, torch.cat([p[1] for p in parts]) if parts[0][1] is not None else None
 
 
+def label_positions(anchors: torch.Tensor, block_size: int, num_tokens: int, anchor_drafts: bool = False):
+    """(A, B) the packed position whose next-token prediction is slot k's label: anchor + k - 1 (DFlash:
+    slot k's label is the token at anchor + k), anchor + k with `anchor_drafts` (anchor as first: slot k's
+    label is at anchor + k + 1). Clamped into [0, num_tokens): untrained slots (DFlash's slot 0, a slot
+    past the sequence) read an arbitrary row, which their label (-100) masks."""
+    pos = anchors[:, None] + torch.arange(block_size, device=anchors.device) - (0 if anchor_drafts else 1)
+    return pos.clamp(0, num_tokens - 1)
+
+
 def _predicted_at(per_token: torch.Tensor, labels: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
     """per_token (N, ...) indexed at anchor + k - 1 for every slot: (A, B, ...). Untrained slots (slot 0,
     or anchor + k past the sequence) read a clamped, arbitrary row; callers mask them with `labels`."""
-    B = labels.shape[1]
-    pos = anchors[:, None] + torch.arange(B, device=anchors.device) - 1
-    return per_token[pos.clamp(0, per_token.shape[0] - 1)]
+    return per_token[label_positions(anchors, labels.shape[1], per_token.shape[0])]
 
 
 def argmax_block_labels(target_ids: torch.Tensor, labels: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
@@ -136,6 +147,22 @@ def soft_block_targets(top_values: torch.Tensor, top_ids: torch.Tensor, labels: 
     ids = _predicted_at(top_ids, labels, anchors)
     probs = torch.softmax(_predicted_at(top_values, labels, anchors).float(), dim=-1)
     return probs, ids, torch.where(labels >= 0, ids[..., 0], labels)
+
+
+@dataclass
+class FullTarget:
+    """objective.labels=target_full for one anchor chunk: the target's whole next-token distribution at
+    each trained slot, p_t = softmax(lm_head(last[pos])), which `lm_head_loss` computes in its own row
+    chunks (never more than its `rows` x V at once) and trains the slot's q = softmax(lm_head(h)) on:
+    kl_weight * KL(p_t || q) + l1_weight * ||q - p_t||_1, times the slot's weight.
+
+    `top1` is filled by `lm_head_loss`: (A, B) the target's top-1 at the trained slots (-100 elsewhere),
+    the labels its metrics count against (as target_soft's top-1 labels) and a variant's term reads."""
+    last: torch.Tensor  # (N, H) the target's final-normed last hidden state per packed token
+    pos: torch.Tensor  # (A, B) the row of `last` whose distribution is slot k's target (`label_positions`)
+    kl_weight: float
+    l1_weight: float
+    top1: torch.Tensor | None = None
 
 
 @dataclass
@@ -173,14 +200,18 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     would cost a third (rows x H x V) matmul per chunk where this costs two, and the LM head is about a
     quarter of a drafter step's FLOPs. The price is computing a gradient nobody may ask for, so it is
     skipped when autograd will not need it. With `top_k` each row's top-k (`HeadTopK`) is read off the same
-    logits (DFlash 2's candidates: no second pass of the head)."""
+    logits (DFlash 2's candidates: no second pass of the head). With `full` ((last, its row per selected
+    row, KL weight, L1 weight): target_full) each row's target distribution is computed in the same chunk
+    (`_distill_rows`) and `tlab` holds its top-1."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, sel, labels, wts, probs, ids, rows: int, need_grad: bool, weigh, top_k: int):
+    def forward(ctx, hidden, weight, sel, labels, wts, probs, ids, rows: int, need_grad: bool, weigh, top_k: int,
+                full=None):
         dt = _compute_dtype(hidden)
         flat = hidden.reshape(-1, hidden.shape[-1])
         n = sel.numel()
         pred = torch.empty(n, dtype=torch.long, device=hidden.device)
+        tlab = torch.empty(n if full is not None else 0, dtype=torch.long, device=hidden.device)
         grad = torch.empty(n, flat.shape[1], dtype=dt, device=hidden.device) if need_grad else None
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         ce = torch.empty(n, dtype=torch.float32, device=hidden.device) if weigh is not None else None
@@ -192,9 +223,10 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             for i in range(0, n, rows):
                 j = min(n, i + rows)
                 soft = None if probs is None else (probs[i:j], ids[i:j])
+                teacher = None if full is None else (full[0][full[1][i:j]].to(dt), full[2], full[3], tlab[i:j])
                 loss += _head_chunk(flat[sel[i:j]].to(dt), w, labels[i:j], wts[i:j], soft, pred[i:j],
                                     grad[i:j] if need_grad else None, None if ce is None else ce[i:j],
-                                    HeadTopK(*(t[i:j] for t in top)) if top_k else None)
+                                    HeadTopK(*(t[i:j] for t in top)) if top_k else None, teacher)
         used = wts.new_empty(0)  # the weights in effect, when they are not the given ones
         if weigh is not None:  # weights that need every row's loss first: each row's gradient is linear in its
             factor = weigh(ce)  # weight, so the chunks' gradients (at weight wts) are scaled now, no recompute
@@ -202,18 +234,18 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             loss = (ce * used).sum()
             if need_grad:
                 grad.mul_(factor[:, None].to(grad.dtype))
-        ctx.mark_non_differentiable(pred, used, *top)
+        ctx.mark_non_differentiable(pred, tlab, used, *top)
         if need_grad:
             ctx.save_for_backward(grad, sel)
             ctx.shape, ctx.dtype = hidden.shape, hidden.dtype
-        return loss, pred, used, *top
+        return loss, pred, tlab, used, *top
 
     @staticmethod
     def backward(ctx, grad_loss, *_non_differentiable):
         grad, sel = ctx.saved_tensors
         out = torch.zeros(ctx.shape, dtype=ctx.dtype, device=grad.device)
         out.view(-1, ctx.shape[-1]).index_copy_(0, sel, (grad * grad_loss).to(ctx.dtype))
-        return out, None, None, None, None, None, None, None, None, None, None
+        return out, *([None] * 11)
 
 
 class HeadTopK(NamedTuple):
@@ -223,12 +255,19 @@ class HeadTopK(NamedTuple):
     label_logits: torch.Tensor  # (n,) float32, the label's raw logit
 
 
-def _head_chunk(x, w, labels, wts, soft, pred_out, grad_out, ce_out=None, top_out=None) -> torch.Tensor:
+def _head_chunk(x, w, labels, wts, soft, pred_out, grad_out, ce_out=None, top_out=None, full=None) -> torch.Tensor:
     """One row chunk: writes the argmax into pred_out, if given d(sum w * ce)/dx into grad_out, each
     row's ce into ce_out and its top-k (`HeadTopK`, k its width) into top_out; returns sum w * ce. The
     softmax runs in place on the float32 logits (torch.logsumexp would allocate another (r, V)), so they
     are the only vocabulary-sized tensor besides the compute-dtype matmul output and input; all die when
-    this returns."""
+    this returns. With `full` ((the target's final states of these rows, KL weight, L1 weight, top-1
+    out): target_full) the loss is `_distill_rows`'s, against the rows' target distribution, and the
+    labels that top_out's label logit reads are the target's top-1."""
+    teacher = None
+    if full is not None:  # first: its top-1 is the label that top_out's label logit reads
+        teacher = (full[0] @ w.T).float()  # the target's logits; a bf16 matmul output dies here
+        labels = teacher.argmax(-1)
+        full[3].copy_(labels)
     raw = x @ w.T  # (r, V)
     if top_out is not None:  # before the in-place softmax overwrites raw (it is z when already float32)
         values, ids = raw.topk(top_out.ids.shape[1], dim=-1)  # `unary_top_k`'s topk, in the same dtype
@@ -237,6 +276,8 @@ def _head_chunk(x, w, labels, wts, soft, pred_out, grad_out, ce_out=None, top_ou
         top_out.label_logits.copy_(raw.gather(1, labels[:, None])[:, 0])
     z = raw.float()
     del raw  # a bf16 matmul output would otherwise live beside its float32 copy to the end of the chunk
+    if teacher is not None:
+        return _distill_rows(z, teacher, w, wts, full[1], full[2], pred_out, grad_out, ce_out, x.dtype)
     at = z.gather(1, labels[:, None] if soft is None else soft[1])  # target logits, before z is overwritten
     top, arg = z.max(dim=-1)
     pred_out.copy_(arg)
@@ -252,6 +293,39 @@ def _head_chunk(x, w, labels, wts, soft, pred_out, grad_out, ce_out=None, top_ou
         g.scatter_add_(1, labels[:, None] if soft is None else soft[1], -p * wts[:, None])
         grad_out.copy_(g.to(x.dtype) @ w)
     return (ce * wts).sum()
+
+
+def _distill_rows(z, t, w, wts, kl_w: float, l1_w: float, pred_out, grad_out, ce_out, dtype) -> torch.Tensor:
+    """target_full's rows: z, t (r, V) float32, the drafter's and the target's logits (both overwritten);
+    returns sum_r wts_r * (kl_w * KL(p_t || q) + l1_w * ||q - p_t||_1), q = softmax(z), p_t = softmax(t),
+    writing the argmax of z into pred_out, each row's unweighted term into ce_out and, if given, the
+    gradient into grad_out: d/dz = wts * (kl_w * (q - p_t) + l1_w * q * (s - <q, s>)), s = sign(q - p_t)
+    (the L1 term's through the softmax, as models/variants/dspark_loss.py's). At most three float32 (r, V)
+    buffers live: z, t and p_t; every step is in place on them (logsumexp's own temporary comes and goes
+    before p_t exists)."""
+    pred_out.copy_(z.argmax(-1))
+    z.sub_(torch.logsumexp(z, -1, keepdim=True))  # log q
+    t.sub_(torch.logsumexp(t, -1, keepdim=True))  # log p_t
+    p = t.exp()
+    term = torch.zeros(z.shape[0], dtype=torch.float32, device=z.device)
+    if kl_w:  # KL = sum p_t (log p_t - log q); a p_t that underflows to 0 adds 0 (its log stays finite)
+        term += kl_w * t.sub_(z).mul_(p).sum(-1)
+    q = z.exp_()
+    d = torch.sub(q, p, out=t)  # q - p_t, in the buffer log p_t no longer needs
+    if l1_w:
+        term += l1_w * torch.linalg.vector_norm(d, 1, dim=-1)
+    if ce_out is not None:
+        ce_out.copy_(term)
+    if grad_out is not None:
+        if l1_w:
+            s = p.copy_(d).sign_()  # p_t is no longer needed
+            qs = (q[:, None, :] @ s[:, :, None])[:, 0, 0]  # <q, s> per row, without an (r, V) product
+            s.sub_(qs[:, None]).mul_(q).mul_(l1_w)
+            g = d.mul_(kl_w).add_(s)
+        else:
+            g = d.mul_(kl_w)
+        grad_out.copy_(g.mul_(wts[:, None]).to(dtype) @ w)
+    return (term * wts).sum()
 
 
 def _metrics(pred: torch.Tensor, labels: torch.Tensor, loss_sum: torch.Tensor, weight_sum: torch.Tensor) -> StepMetrics:
@@ -273,7 +347,7 @@ def no_head_loss(labels: torch.Tensor, weights: torch.Tensor):
 
 def lm_head_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
                  soft: tuple[torch.Tensor, torch.Tensor] | None = None, rows: int = 8192,
-                 dpace_alpha: float | None = None, top_k: int = 0):
+                 dpace_alpha: float | None = None, top_k: int = 0, full: FullTarget | None = None):
     """The frozen LM head and the weighted cross-entropy of the plain reference (tests/oracles.py), never more than `rows` rows x V
     logits alive at once (forward and backward).
 
@@ -287,7 +361,10 @@ def lm_head_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.
     is 1 on the trained slots. Logits are a matmul in the compute dtype (autocast's, else hidden's), then
     float32 for the softmax. With `top_k` > 0 a third value, a `HeadTopK` of the n rows with a label in
     their (A, B) order: the ids torch.topk gives (what `models.dflash2.unary_top_k` gives those rows in
-    the same compute dtype), their logits and the label's, read off the same chunks (no rows x V kept)."""
+    the same compute dtype), their logits and the label's, read off the same chunks (no rows x V kept).
+    With `full` (objective.labels=target_full) each trained slot's loss is `FullTarget`'s, against the
+    target's whole distribution computed in the same row chunks; `labels` then only say which slots train,
+    the metrics (and the top-K's label logit) count against the target's top-1, written to `full.top1`."""
     if head_weight.requires_grad:
         raise ValueError("lm_head_loss: the LM head must be frozen (its weight requires grad)")
     if rows < 1:
@@ -302,15 +379,24 @@ def lm_head_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.
         probs, ids = soft[0].reshape(-1, k)[sel].float(), soft[1].reshape(-1, k)[sel]
     weigh = None
     if dpace_alpha is not None:
-        if soft is not None:
+        if soft is not None or full is not None:
             raise ValueError("lm_head_loss: D-PACE needs hard labels (its confidence is the label's probability)")
         weigh = partial(_dpace_rows, sel=sel, trained=labels >= 0, alpha=dpace_alpha)
+    teacher = None
+    if full is not None:
+        if soft is not None:
+            raise ValueError("lm_head_loss: target_full's distribution and top-k soft targets are two label modes")
+        teacher = (full.last, full.pos.reshape(-1)[sel], float(full.kl_weight), float(full.l1_weight))
     need_grad = torch.is_grad_enabled() and hidden.requires_grad
-    loss, pred_rows, used, *top = _ChunkedHeadLoss.apply(hidden, head_weight, sel, lab, wts, probs, ids, rows,
-                                                         need_grad, weigh, top_k)
+    loss, pred_rows, tlab, used, *top = _ChunkedHeadLoss.apply(hidden, head_weight, sel, lab, wts, probs, ids, rows,
+                                                               need_grad, weigh, top_k, teacher)
     with torch.no_grad():
         pred = torch.full((A * B,), -1, dtype=torch.long, device=hidden.device)
         pred[sel] = pred_rows
+        if full is not None:  # the target's top-1 on the trained slots: what the metrics count against
+            labels = labels.clone()
+            labels.view(-1)[sel] = tlab
+            full.top1 = labels
         m = _metrics(pred.view(A, B), labels, loss.detach(), weights.sum() if weigh is None else used.sum())
     return (loss, m, HeadTopK(*top)) if top_k > 0 else (loss, m)
 

@@ -33,6 +33,28 @@ def dflash_loss(logits, labels, weights, soft=None):
     return loss, m
 
 
+def full_distill_loss(logits, target_logits, labels, weights, kl_weight: float, l1_weight: float):
+    """objective.labels=target_full over the whole (A, B, V) logits at once: sum over the trained slots
+    (labels >= 0) of w * (kl_weight * KL(p_t || q) + l1_weight * ||q - p_t||_1), q = softmax(logits),
+    p_t = softmax(target_logits), both from log_softmax in float32 (differentiable w.r.t. logits), and the
+    metrics against the target's top-1 on those slots."""
+    logq = torch.log_softmax(logits.float(), dim=-1)
+    logp = torch.log_softmax(target_logits.float(), dim=-1)
+    p = logp.exp()
+    kl = (p * (logp - logq)).sum(-1)
+    l1 = (logq.exp() - p).abs().sum(-1)
+    valid = labels >= 0
+    w = torch.where(valid, weights, torch.zeros_like(weights))
+    loss_sum = ((kl_weight * kl + l1_weight * l1) * w).sum()
+    with torch.no_grad():
+        top1 = torch.where(valid, target_logits.argmax(-1), labels)
+        hit = (logits.argmax(-1) == top1) & valid
+        m = StepMetrics(loss_sum=float(loss_sum), weight_sum=float(weights.sum()), correct=hit.sum(0).cpu(),
+                        valid=valid.sum(0).cpu(), accept_sum=float(accepted_lengths(hit[:, 1:]).sum()),
+                        num_blocks=logits.shape[0])
+    return loss_sum, m, top1
+
+
 class FeatureDrafter:
     """`evaluation.speculative`'s proposer for a module with the drafter's call signature (an oracle):
     the raw feature rows of the whole prefix at every step, a zero row for the anchor (never attended)."""
