@@ -180,8 +180,13 @@ class ObjectiveConfig:
     gamma: float = num(0.0, ge=0)  # 0 = the paper's rule: 7 for B=16, 5 for B=10, 4 for B=8
     # data: the corpus tokens; target_argmax / target_soft: distillation from the target's logits
     # (its greedy token / its top-k softmax), which makes every target run its whole forward.
-    labels: str = one_of("data", "data", "target_argmax", "target_soft")
+    # target_full: from the target's whole next-token distribution, softmax(lm_head(last)), which the
+    # drafter computes in its loss's row chunks from the target's final-normed last hidden state (sent as
+    # one more feature block): forward KL and the L1 distance, weighted by the two keys below.
+    labels: str = one_of("data", "data", "target_argmax", "target_soft", "target_full")
     soft_top_k: int = num(8, ge=1)  # logits per token sent for target_soft
+    distill_kl_weight: float = num(1.0, ge=0)  # target_full: KL(p_target || q_drafter) per trained slot
+    distill_l1_weight: float = num(0.0, ge=0)  # target_full: ||q_drafter - p_target||_1 per trained slot
     # Drafter memory follows these, not the batch: anchors per forward/backward inside one optimizer
     # step (0 = all of the batch's at once), and block rows per LM-head + cross-entropy chunk.
     anchor_chunk: int = num(0, ge=0)
@@ -370,7 +375,11 @@ def validate(cfg: Config) -> None:
             and cfg.objective.soft_top_k > cfg.model.target.vocab_size:
         raise ConfigError(f"config key 'objective.soft_top_k': {cfg.objective.soft_top_k} exceeds the target's "
                           f"vocabulary ({cfg.model.target.vocab_size})")
-    if cfg.objective.position_weights == "dpace" and cfg.objective.labels == "target_soft":
+    if cfg.objective.labels == "target_full" and cfg.objective.distill_kl_weight == 0 \
+            and cfg.objective.distill_l1_weight == 0:
+        raise ConfigError("config keys 'objective.distill_kl_weight' and 'objective.distill_l1_weight': at least one "
+                          "must be > 0 under objective.labels=target_full (both are 0: nothing would be trained)")
+    if cfg.objective.position_weights == "dpace" and cfg.objective.labels in ("target_soft", "target_full"):
         raise ConfigError("config key 'objective.position_weights': dpace needs hard labels (objective.labels=data "
                           "or target_argmax): its confidence is the drafter's probability of the one label token")
     if cfg.train.sync_every < cfg.transport.max_in_flight:
@@ -406,6 +415,13 @@ def _check_dspark(cfg: Config) -> None:
     if cfg.model.draft.variant != "dspark":
         return
     o = cfg.objective
+    if o.labels == "target_full":
+        # Refused, not mapped: DSpark's loss already is this distillation (the L1 distance to the same
+        # softmax(lm_head(last)), weighted by objective.dspark_l1_weight), on slot logits that carry its
+        # Markov bias, which the plain head's loss that target_full weighs never sees.
+        raise ConfigError("config key 'objective.labels': target_full with model.draft.variant=dspark, whose loss "
+                          "distils the target's whole distribution already (use objective.labels=data and "
+                          "weigh it with objective.dspark_l1_weight)")
     if o.labels != "data":
         raise ConfigError(f"config key 'objective.labels': {o.labels!r} with model.draft.variant=dspark, whose loss "
                           "distils the target's whole distribution already (use data)")

@@ -26,8 +26,9 @@ from dflash_dist.config import ObjectiveConfig
 from dflash_dist.data.collate import PackedBatch
 from dflash_dist.models.drafter import DFlashDrafter, DraftSpec, anchor_seq_starts
 from dflash_dist.models.variants import LossChunk, RunProgress
-from dflash_dist.training.objective import (StepMetrics, argmax_block_labels, block_labels, lm_head_loss,
-                                   loss_denominator, no_head_loss, soft_block_targets)
+from dflash_dist.training.objective import (FullTarget, StepMetrics, argmax_block_labels, block_labels,
+                                   label_positions, lm_head_loss, loss_denominator, no_head_loss,
+                                   soft_block_targets)
 from dflash_dist.parallel.transport import TargetLabels
 
 
@@ -42,6 +43,9 @@ class StepSettings:
     dpace_alpha: float | None  # D-PACE's smoothing (objective.position_weights=dpace), None: the gamma decay
     autocast_dtype: torch.dtype | None  # the draft layers' compute dtype under autocast (bf16 on CUDA)
     variant_options: Any  # the variant's own (`Variant.options`: DFlash 2's selector weight and detach)
+    # objective.labels=target_full: (KL weight, L1 weight) of the loss against the target's whole
+    # distribution (`objective.FullTarget`); None: the labels' hard or top-k cross-entropy.
+    full: tuple[float, float] | None = None
 
     def autocast(self, device: torch.device):
         if self.autocast_dtype is None:
@@ -60,12 +64,17 @@ def step_settings(objective: ObjectiveConfig, spec: DraftSpec, autocast_dtype: t
     if objective.block_size != spec.block_size:
         raise ValueError(f"objective.block_size {objective.block_size} differs from the built spec's {spec.block_size}")
     dpace = objective.position_weights == "dpace"
+    full = objective.labels == "target_full"
+    if full and not spec.family.unary_loss:  # config.py refuses DSpark by name; this holds for any such variant
+        raise ValueError(f"objective.labels=target_full trains the plain head's loss, which variant "
+                         f"{spec.family.name!r} does not compute (its loss_term is its whole loss)")
     return StepSettings(
         block_size=spec.block_size, gamma=spec.family.gamma(objective), anchor_chunk=objective.anchor_chunk,
         loss_rows=objective.loss_rows, batch_mean=objective.loss_norm != "step",
         dpace_alpha=objective.dpace_alpha if dpace else None,
         autocast_dtype=autocast_dtype,
-        variant_options=spec.family.options(objective))
+        variant_options=spec.family.options(objective),
+        full=(objective.distill_kl_weight, objective.distill_l1_weight) if full else None)
 
 
 @dataclass
@@ -127,6 +136,13 @@ def drafter_step(model: DFlashDrafter, batch: StepBatch, settings: StepSettings,
     labels, weights, soft = batch_targets(data, batch.target, anchors, anchor_cu, o.block_size, o.gamma, dpace,
                                           variant)
     starts = host_starts.to(dev)
+    full = None
+    if o.full is not None:  # the target's final state, the features' last H columns (`sends_final_hidden`)
+        H = model.lm_head.weight.shape[1]
+        if batch.features.shape[1] != (len(model.spec.target_layer_ids) + 1) * H:
+            raise ValueError("objective.labels=target_full: the features must end with the target's final hidden "
+                             "state (parallel/transport.py sends_final_hidden)")
+        full = (batch.features[:, -H:], label_positions(anchors, o.block_size, data.num_tokens, variant.anchor_drafts))
     norm = scale / loss_denominator(dpace, weights.sum().clamp(min=1e-9), A) if o.batch_mean else scale
     head, top_k = model.lm_head.weight, variant.loss_top_k(model.spec)
     autocast = o.autocast(dev)
@@ -150,13 +166,17 @@ def drafter_step(model: DFlashDrafter, batch: StepBatch, settings: StepSettings,
             hidden = model.draft_hidden((ctx if last else leaf)[lo:hi], data.input_ids, data.position_ids,
                                         anchors[sl], starts[sl], offset=lo)
         chunk_soft = None if soft is None else (soft[0][sl], soft[1][sl])
+        chunk_full = None if full is None else FullTarget(full[0], full[1][sl], *o.full)
         # A variant's candidates (the head's top-K) come off the loss's own logits: no second head pass.
         if variant.unary_loss:
             loss_sum, m, *top = lm_head_loss(hidden.to(head.dtype), head, labels[sl], weights[sl], chunk_soft,
-                                             rows=o.loss_rows, dpace_alpha=o.dpace_alpha, top_k=top_k)
+                                             rows=o.loss_rows, dpace_alpha=o.dpace_alpha, top_k=top_k,
+                                             full=chunk_full)
         else:  # the variant's term is the whole loss (DSpark: its slot logits carry a bias of their own)
             (loss_sum, m), top = no_head_loss(labels[sl], weights[sl]), []
-        terms = LossChunk(data.input_ids, anchors[sl], labels[sl], weights[sl], o.loss_rows, batch.features,
+        # target_full: the variant's term reads the target's top-1 (as target_soft's), which the loss computed.
+        chunk_labels = labels[sl] if chunk_full is None else chunk_full.top1
+        terms = LossChunk(data.input_ids, anchors[sl], chunk_labels, weights[sl], o.loss_rows, batch.features,
                           batch.progress)
         loss_sum, m = variant.loss_term(model, hidden, terms, loss_sum, m, top[0] if top else None,
                                         o.variant_options)
