@@ -1,5 +1,6 @@
 """Distillation labels between real processes: the packet's extra payload (target labels) between
-two gloo processes, and the real entry point under torchrun on target labels, hard and soft."""
+two gloo processes, and the real entry point under torchrun on target labels, hard, soft and the whole
+distribution (target_full)."""
 import json
 import math
 import traceback
@@ -71,9 +72,12 @@ def test_packet_with_target_labels_round_trips():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("labels", ["target_argmax", "target_soft"])
+@pytest.mark.parametrize("labels", ["target_argmax", "target_soft", "target_full"])
 def test_three_ranks_train_on_target_labels(tmp_path, labels):
-    res = torchrun(3, [f"objective.labels={labels}", "objective.soft_top_k=8", "monitor.interval_s=0.02"], tmp_path)
+    """target_full: the target ranks send their final state as one more feature block and the drafters
+    train on its whole distribution (KL and L1 both weighted here), apart from them."""
+    res = torchrun(3, [f"objective.labels={labels}", "objective.soft_top_k=8", "objective.distill_l1_weight=0.5",
+                       "monitor.interval_s=0.02"], tmp_path)
     log = res.stdout + res.stderr
     assert res.returncode == 0, log[-4000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
