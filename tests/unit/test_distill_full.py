@@ -192,3 +192,37 @@ def test_config_keys_and_the_one_rule_for_the_final_state():
         load_config(overrides=["objective.labels=target_full", "objective.position_weights=dpace"])
     with pytest.raises(ConfigError, match="'objective.labels': target_full with model.draft.variant=dspark"):
         load_config(overrides=["objective.labels=target_full", "model.draft.variant=dspark"])
+
+
+def test_dflash2_trains_its_unary_head_on_the_distribution_and_its_selector_on_the_targets_top1():
+    """DFlash 2 keeps the unary loss (`Variant.unary_loss`): under target_full that loss is the
+    distillation, and its selector's gold (the K-way cross-entropy, the top-K's recall) is the target's
+    top-1 at each slot, as under target_soft, not the data's token."""
+    cfg = load_config(overrides=["objective.labels=target_full", "objective.block_size=4",
+                                 "model.draft.variant=dflash2", "model.draft.selector_top_k=8",
+                                 "model.draft.selector_rank=16"])
+    target = build_target(cfg, CPU)
+    spec = draft_spec(cfg, target)
+    gen = torch.Generator().manual_seed(6)
+    n, cu = 40, torch.tensor([0, 23, 40])
+    ids = torch.randint(0, target.vocab_size - 1, (n,), generator=gen)
+    data = PackedBatch(ids, torch.rand(n, generator=gen) > 0.2, cu)
+    feats, _ = capture_for_drafter(target, data, spec.target_layer_ids, cfg.objective, torch.float32)
+    _, logits = target.capture(ids, cu, data.position_ids, list(spec.target_layer_ids), need_logits=True)
+    model = build_drafter(spec, target, seed=0, device=CPU)
+    anchors, anchor_cu = draw_anchors(data.loss_mask, cu, 5, anchor_generator(0, 0, 0))
+    m = helpers.train_step(model, data, feats, None, anchors, anchor_cu, gamma=3.0, loss_rows=6,
+                           labels="target_full", selector_weight=0.5)
+    with torch.no_grad():
+        hidden = model.draft_hidden(model.context(feats[:, :model.fc.in_features]), ids, data.position_ids,
+                                    anchors, torch.repeat_interleave(cu[:-1], anchor_cu[1:] - anchor_cu[:-1]))
+    labels, weights = block_labels(ids, data.loss_mask, cu, anchors, anchor_cu, 4, 3.0)
+    pos = (anchors[:, None] + torch.arange(4) - 1).clamp(min=0)
+    unary_logits = model.lm_head(hidden)
+    want, ref, top1 = full_distill_loss(unary_logits, logits[pos], labels, weights, 1.0, 0.0)
+    assert torch.equal(m.unary_correct, ref.correct)
+    assert float(m.loss_sum) == pytest.approx(float(want) + 0.5 * float(m.selector_loss_sum), rel=1e-5)
+    trained = top1 >= 0
+    hits = (unary_logits.topk(8, dim=-1).indices == top1[..., None]).any(-1) & trained
+    data_hits = (unary_logits.topk(8, dim=-1).indices == labels[..., None]).any(-1) & trained
+    assert torch.equal(m.topk_hits, hits.sum(0)) and not torch.equal(hits, data_hits)
