@@ -41,8 +41,11 @@ from dflash_dist.data.dataset import TokenDataset
 from dflash_dist.data.disk import open_dataset
 from dflash_dist.models.build import build_drafter, build_target, draft_spec
 from dflash_dist.models.drafter import anchor_seq_starts
+from dflash_dist.models.variants import RunProgress, variant_of
 from dflash_dist.models.variants.base import accepted_lengths
+from dflash_dist.parallel.transport import packet_spec, sends_final_hidden
 from dflash_dist.plan.epochs import plan_for_epoch
+from dflash_dist.training.capture import capture_for_drafter
 from dflash_dist.training.objective import anchor_generator, block_labels, draw_anchors
 from dflash_dist.training.state import TrainState
 from dflash_dist.training.step import StepBatch, drafter_step, step_settings
@@ -51,7 +54,9 @@ log = logging.getLogger("dflash_dist.bench.learning")
 
 VARIANTS = {"dflash": [], "dflash+dpace": ["objective.position_weights=dpace"],
             "dflash2": ["model.draft.variant=dflash2"],
-            "dflash2+dpace": ["model.draft.variant=dflash2", "objective.position_weights=dpace"]}
+            "dflash2+dpace": ["model.draft.variant=dflash2", "objective.position_weights=dpace"],
+            "dspark": ["model.draft.variant=dspark"], "domino": ["model.draft.variant=domino"],
+            "dflash+full": ["objective.labels=target_full"]}
 SHOWN_SLOTS = (1, 2, 3, 4, 8)
 
 
@@ -62,9 +67,10 @@ def subset(ds, lo: int, hi: int) -> TokenDataset:
                         np.asarray(ds.loss_mask[a:b]), ds.vocab_size)
 
 
-def feature_key(data: Path, target_cfg, layer_ids) -> str:
+def feature_key(data: Path, target_cfg, layer_ids, final: bool) -> str:
     """The features' cache key: the dataset's meta, the target's settings and, for a transformers
-    target, its config and weight files (name, size, mtime), and the layer ids."""
+    target, its config and weight files (name, size, mtime), the layer ids and whether the final
+    hidden state follows them."""
     h = hashlib.sha256(json.dumps(dataclasses.asdict(target_cfg), sort_keys=True).encode())
     h.update((data / "meta.json").read_bytes())
     if target_cfg.kind == "hf":
@@ -73,12 +79,16 @@ def feature_key(data: Path, target_cfg, layer_ids) -> str:
         for f in sorted(root.glob("*.safetensors")):
             h.update(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}".encode())
     h.update(repr(tuple(layer_ids)).encode())
+    if final:  # (the key of a cache without it is the one it always had)
+        h.update(b"final")
     return h.hexdigest()[:16]
 
 
 @torch.no_grad()
-def capture_all(target, ds, layer_ids, cache: Path, tokens_per_call: int = 2048) -> list[torch.Tensor]:
-    """Per-sample features (len_i, n_layers * H), bfloat16 (the transfer dtype of a GPU run), cached."""
+def capture_all(target, ds, layer_ids, cache: Path, objective, final: bool,
+                tokens_per_call: int = 2048) -> list[torch.Tensor]:
+    """Per-sample features (len_i, n_layers * H, and H more with `final`: the target's final hidden
+    state), bfloat16 (the transfer dtype of a GPU run), cached; by the run's own capture."""
     feats = load_cached(cache, ds.lengths)
     if feats is not None:
         return feats
@@ -90,8 +100,8 @@ def capture_all(target, ds, layer_ids, cache: Path, tokens_per_call: int = 2048)
             n += int(lengths[j])
             j += 1
         b = collate(ds, np.arange(i, j))
-        f, _ = target.capture(b.input_ids, b.cu_seqlens, b.position_ids, list(layer_ids))
-        feats.extend(f.to(torch.bfloat16).split(lengths[i:j].tolist()))
+        f, _ = capture_for_drafter(target, b, list(layer_ids), objective, torch.bfloat16, final_features=final)
+        feats.extend(f.split(lengths[i:j].tolist()))
         i = j
         log.info("features: %d/%d samples (%.0f s)", i, len(ds), time.time() - t0)
     try:  # atomically: a full disk or a kill leaves no cut file under the final name
@@ -120,8 +130,14 @@ def load_cached(cache: Path, lengths) -> list[torch.Tensor] | None:
     return None
 
 
-def batch_features(feats, base: int, idx: np.ndarray) -> torch.Tensor:
-    return torch.cat([feats[base + int(i)] for i in idx]).float()
+def batch_features(feats, base: int, idx: np.ndarray, width: int) -> torch.Tensor:
+    """The batch's features, the first `width` columns (a config without the final state leaves it)."""
+    return torch.cat([feats[base + int(i)][:, :width] for i in idx]).float()
+
+
+def feature_width(cfg, spec) -> int:
+    """Columns of a config's features: the captured layers', and the final state where it is sent."""
+    return packet_spec(cfg, spec, torch.device("cpu")).feat_dim
 
 
 def train(cfg, target, ds, feats, epochs: int) -> dict:
@@ -132,17 +148,21 @@ def train(cfg, target, ds, feats, epochs: int) -> dict:
     # One batch per optimizer step: the batch's own mean is the step's (objective.loss_norm alike).
     settings = dataclasses.replace(step_settings(o, spec), batch_mean=True)
     plans = [plan_for_epoch(ds, cfg, e) for e in range(epochs)]
-    state = TrainState.create(model, cfg, sum(len(p) for p in plans))
+    total = sum(len(p) for p in plans)
+    state = TrainState.create(model, cfg, total)
+    width = feature_width(cfg, spec)
     times = []
     for e, plan in enumerate(plans):
         last_loss = last_weight = 0.0  # the epoch's, so the last epoch's mean is reported
         for b in range(len(plan)):
             idx = plan.batch(b)
-            batch, f = collate(ds, idx), batch_features(feats, 0, idx)
+            batch, f = collate(ds, idx), batch_features(feats, 0, idx, width)
             anchors, cu = draw_anchors(batch.loss_mask, batch.cu_seqlens, o.num_anchors,
                                        anchor_generator(cfg.train.seed, e, b))
             t0 = time.perf_counter()
-            m = drafter_step(model, StepBatch(batch, f, None, anchors, cu), settings)
+            # the run's place in its schedule, as the drafter role passes it (Domino's lambda follows it)
+            progress = RunProgress(len(times), total)
+            m = drafter_step(model, StepBatch(batch, f, None, anchors, cu, progress), settings)
             state.optimizer_step(list(model.parameters()), cfg, float(m.loss_sum))  # the run's, its skip included
             times.append(time.perf_counter() - t0)
             last_loss, last_weight = last_loss + float(m.loss_sum), last_weight + float(m.weight_sum)
@@ -153,26 +173,30 @@ def train(cfg, target, ds, feats, epochs: int) -> dict:
 
 
 @torch.no_grad()
-def acceptance(model, ds, feats, base: int, num_anchors: int, seed: int, seqs: int = 8) -> dict:
-    """tau~, accuracy per slot along the served path, and the unary head's top-K recall of the reply's
-    token per slot (DFlash 2's candidates: the selector picks only among them), at seeded anchors of the
-    held-out samples."""
-    B = model.spec.block_size
-    K = model.spec.selector_top_k
-    hits, in_top, valid, accept, blocks = torch.zeros(B), torch.zeros(B), torch.zeros(B), 0.0, 0
+def acceptance(model, ds, feats, base: int, num_anchors: int, seed: int, width: int, seqs: int = 8) -> dict:
+    """tau~, accuracy per drafted token along the served path, and the plain head's top-K recall of the
+    reply's token, at seeded anchors of the held-out samples. Figures are by the drafted token's distance
+    d from the anchor (index d: the token at anchor + d), whichever slot drafts it (DFlash's slot d, an
+    anchor-as-first variant's slot d - 1), so the variants' columns compare; index 0 is unused (0)."""
+    B, v = model.spec.block_size, model.spec.family
+    D, K = v.drafts(B), model.spec.selector_top_k
+    first = B - D  # the first drafting slot: 1 (DFlash), 0 (anchor as first)
+    hits, in_top, valid, accept, blocks = torch.zeros(D + 1), torch.zeros(D + 1), torch.zeros(D + 1), 0.0, 0
     model.eval()
     for s in range(0, len(ds), seqs):
         idx = np.arange(s, min(s + seqs, len(ds)))
-        batch, f = collate(ds, idx), batch_features(feats, base, idx)
+        batch, f = collate(ds, idx), batch_features(feats, base, idx, width)
         anchors, cu = draw_anchors(batch.loss_mask, batch.cu_seqlens, num_anchors, anchor_generator(seed, 0, s))
-        labels, _ = block_labels(batch.input_ids, batch.loss_mask, batch.cu_seqlens, anchors, cu, B, 1.0)
+        # the reply's tokens at anchor + 1 .. anchor + D, -100 past a sequence or the loss mask
+        labels, _ = block_labels(batch.input_ids, batch.loss_mask, batch.cu_seqlens, anchors, cu, B, 1.0,
+                                 anchor_drafts=v.anchor_drafts)
         hidden = model.draft_hidden(model.context(f), batch.input_ids, batch.position_ids, anchors,
                                     anchor_seq_starts(batch.cu_seqlens, cu, anchors.numel()))
-        drafted = model.block_tokens(hidden, batch.input_ids[anchors])  # (A, B-1)
-        ok = labels[:, 1:] >= 0
-        hit = (drafted == labels[:, 1:]) & ok
-        top = model.lm_head(hidden[:, 1:].to(model.lm_head.weight.dtype)).topk(K, dim=-1).indices
-        in_top[1:] += ((top == labels[:, 1:, None]).any(-1) & ok).sum(0).float()
+        drafted = model.block_tokens(hidden, batch.input_ids[anchors])  # (A, D): the served path
+        ok = labels[:, first:] >= 0
+        hit = (drafted == labels[:, first:]) & ok
+        top = model.lm_head(hidden[:, first:].to(model.lm_head.weight.dtype)).topk(K, dim=-1).indices
+        in_top[1:] += ((top == labels[:, first:, None]).any(-1) & ok).sum(0).float()
         hits[1:] += hit.sum(0).float()
         valid[1:] += ok.sum(0).float()
         accept += float(accepted_lengths(hit).sum())
@@ -248,14 +272,20 @@ def main(argv=None) -> None:
     epochs = a.epochs or base_cfg.train.epochs
     target = build_target(base_cfg, torch.device("cpu"))
     layer_ids = draft_spec(base_cfg, target).target_layer_ids
-    cache = Path(base_cfg.data.cache_dir) / f"learning-features-{feature_key(data, base_cfg.model.target, layer_ids)}.pt"
-    feats = capture_all(target, ds, layer_ids, cache)
+    # The final hidden state is captured once for all when any variant reads it (DSpark, target_full).
+    final = any(sends_final_hidden(c.objective.labels, variant_of(c.model.draft.variant).final_hidden_features)
+                for c in a.cfgs.values())
+    key = feature_key(data, base_cfg.model.target, layer_ids, final)
+    cache = Path(base_cfg.data.cache_dir) / f"learning-features-{key}.pt"
+    feats = capture_all(target, ds, layer_ids, cache, base_cfg.objective, final)
     held = subset(ds, pool, len(ds))
     rows = []
     for n in a.sizes:
         for v in a.variants.split(","):
             r = train(a.cfgs[v], target, subset(ds, 0, n), feats, epochs)
-            ev = acceptance(r.pop("model"), held, feats, pool, a.eval_anchors, seed=12345)
+            model = r.pop("model")
+            ev = acceptance(model, held, feats, pool, a.eval_anchors, seed=12345,
+                            width=feature_width(a.cfgs[v], model.spec))
             rows.append(dict(variant=v, samples=n, epochs=epochs, **r, **ev))
             log.info("%s on %d samples: tau~ %.3f", v, n, ev["tau"])
     print_table(rows, a, data)
