@@ -293,6 +293,8 @@ def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, w: BatchShape, chun
         t.update(dflash2_terms(s, cfg, R, rows, w.anchors, c))
     if cfg.model.draft.variant == "dspark":
         t.update(dspark_terms(s, cfg, rows, c))
+    if cfg.model.draft.variant == "domino":
+        t.update(domino_terms(s, cfg, R, rows))
     if cfg.objective.labels == "target_full":  # objective._distill_rows: the target's logits (forward only),
         # its log-softmax and p_t, the KL and L1 passes: about as much element-wise work again as the loss's
         t["distill_head"] = Term("matmul", 2 * rows * H * V)
@@ -335,6 +337,20 @@ def dspark_terms(s: ModelShapes, cfg: Config, rows: float, c: int) -> dict[str, 
     return {"dspark_teacher_head": Term("matmul", 2 * rows * H * V),
             "dspark_markov": Term("matmul", 3 * 2 * rows * r * V),
             "dspark_teacher_softmax": Term("memory", rows * V * (c + 3 * 4))}
+
+
+def domino_terms(s: ModelShapes, cfg: Config, R: int, rows: float) -> dict[str, Term]:
+    """Domino's FLOPs beyond the LM head's forward and input gradient (models/variants/domino_loss.py,
+    domino_head.py): the GRU over every one of the R block rows (its input and recurrent products,
+    3G x (H + G) each row; trained: 3 x forward), the delta on the `rows` labelled rows (W1 over [h; s],
+    W2 to the vocabulary: forward, input gradient and weight gradient each), and the second float32
+    (rows, V) buffer (the final logits' softmax and gradient beside the base's)."""
+    d = cfg.model.draft
+    H, V, G, E = s.hidden, s.vocab, d.gru_hidden_dim, d.domino_emb_dim
+    return {"domino_gru": Term("matmul", 3 * 2 * R * 3 * G * (H + G)),
+            "domino_delta": Term("matmul", 3 * 2 * rows * E * (H + G + V)),
+            "domino_gru_elementwise": Term("memory", 3 * R * 3 * G * 4 * 4),
+            "domino_final_softmax": Term("memory", rows * V * (4 + 3 * 4))}
 
 
 STEP_TERMS = ("adamw", "grad_sync")  # once per optimizer step, not per batch

@@ -340,8 +340,19 @@ def dspark_params(s: ModelShapes, cfg: Config) -> int:
     return 2 * s.vocab * r + conf
 
 
+def domino_params(s: ModelShapes, cfg: Config) -> int:
+    """Domino's parameters beyond the DFlash drafter's (models/variants/domino_head.py), 0 for another
+    variant: the bias-free GRU's W_ih (3G x H) and W_hh (3G x G), the delta's W1 (E x (H + G)) and W2
+    (V x E: 38.9M at Qwen3-8B's V 151,936 and E 256)."""
+    d = cfg.model.draft
+    if d.variant != "domino":
+        return 0
+    G, E, H = d.gru_hidden_dim, d.domino_emb_dim, s.hidden
+    return 3 * G * (H + G) + E * (H + G) + s.vocab * E
+
+
 def draft_param_count(s: ModelShapes, cfg: Config) -> int:
-    return s.draft_params + dflash2_params(s, cfg) + dspark_params(s, cfg)
+    return s.draft_params + dflash2_params(s, cfg) + dspark_params(s, cfg) + domino_params(s, cfg)
 
 
 def feature_blocks(s: ModelShapes, cfg: Config) -> int:
@@ -372,6 +383,22 @@ def dspark_loss_bytes(s: ModelShapes, p: Precision, cfg: Config, rows: int, labe
         return 0, 0
     c, V, r = p.drafter_compute, s.vocab, d.markov_rank
     return labelled * (c * s.hidden + 4 * r) + 4 * V * r, rows * V * (8 + (c if c != 4 else 0))
+
+
+def domino_loss_bytes(s: ModelShapes, p: Precision, cfg: Config, rows: int, block_rows: int) -> tuple[int, int]:
+    """(saved, transient) bytes of Domino's loss in one anchor chunk of `block_rows` rows (0s for another
+    variant; every row counted as labelled, as DSpark's): the GRU's autograd keeps per row and slot about
+    ten G-wide float32 tensors (the gates' inputs and outputs, the state); the delta keeps [h; s] (H + G),
+    W1's output and SiLU's (2E), float32; the loss keeps the input gradients it computes in the forward
+    (models/variants/domino_loss.py) of h (H, the compute dtype) and of the delta features (E, float32)
+    and W2's (V x E, float32); each row chunk holds two float32 (rows, V) buffers (the base logits' softmax
+    and the final's) beside the head matmul's output."""
+    d = cfg.model.draft
+    if d.variant != "domino":
+        return 0, 0
+    c, V, G, E, H = p.drafter_compute, s.vocab, d.gru_hidden_dim, d.domino_emb_dim, s.hidden
+    saved = block_rows * (10 * 4 * G + 4 * (H + G + 2 * E) + c * H + 4 * E) + 4 * V * E
+    return saved, rows * V * (8 + (c if c != 4 else 0))
 
 
 def dflash2_row_bytes(s: ModelShapes, p: Precision, cfg: Config) -> int:
@@ -449,10 +476,11 @@ def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, worst: BatchShape, 
     sel_saved, sel_walk = dflash2_selector_bytes(s, cfg, R - a, R - a)
     # DSpark drafts every slot (anchor as first) and its loss replaces the plain head's.
     spark_saved, spark_chunk = dspark_loss_bytes(s, p, cfg, rows, R)
-    tail += sel_saved + spark_saved
+    domino_saved, domino_chunk = domino_loss_bytes(s, p, cfg, rows, R)  # Domino's too (its GRU's, its head's)
+    tail += sel_saved + spark_saved + domino_saved
     # target_full (objective._distill_rows): the target's logits, the slot's and p_t, three float32 (rows, V).
     full = cfg.objective.labels == "target_full"
-    loss_chunk = spark_chunk or rows * V * (12 if full else 4 + (c if c != 4 else 0))
+    loss_chunk = spark_chunk or domino_chunk or rows * V * (12 if full else 4 + (c if c != 4 else 0))
     loss_chunk += R * c * H if c != 4 else 0
     # Backward peaks at its start, before any saved tensor is freed: the hidden states' gradient (and its
     # float32 cast) and the final norm's float32 temporaries, about five (R, H) float32 in all (measured).

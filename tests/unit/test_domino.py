@@ -283,3 +283,37 @@ def test_both_decoders_are_exact_and_agree_step_for_step():
     assert got.tokens == want == ref_tokens
     assert got.accepted == ref_accepted and max(got.accepted) <= spec.block_size + 1
     assert packet_spec(cfg, spec, CPU).feat_dim == len(spec.target_layer_ids) * spec.hidden_size  # no extra block
+
+
+def test_the_forecasts_count_the_gru_and_the_delta():
+    """(g) forecast/memory.py and cost.py: Domino's parameters are the module's, exactly; the features are
+    the captured layers' alone (no final hidden state on the wire); the costs add the GRU, the delta and
+    the second (rows, V) buffer, the memory the GRU's and the delta's saved tensors. At Qwen3-8B (V 151,936,
+    G 1024, E 256) the head is 55.9M parameters, W2 38.9M of them."""
+    from dflash_dist.forecast import cost as C
+    from dflash_dist.forecast import memory as M
+    from dflash_dist.forecast.shapes import model_shapes
+    base = ["model.draft.num_layers=2", "model.draft.gru_hidden_dim=12", "model.draft.domino_emb_dim=8"]
+    prec, terms, mem = M.Precision(device="cpu"), {}, {}
+    w = M.BatchShape(tokens=600, seqs=4, anchors=40, seq_lens=(150,) * 4, seq_anchors=(10,) * 4,
+                     anchor_pos=tuple(range(5, 105, 10)) * 4)
+    for variant in ("dflash", "domino"):
+        cfg = load_config(overrides=base + [f"model.draft.variant={variant}"])
+        target = build_target(cfg, CPU)
+        spec = draft_spec(cfg, target)
+        drafter = build_drafter(spec, target, 0, CPU)
+        shapes = model_shapes(cfg)
+        assert M.draft_param_count(shapes, cfg) == sum(p.numel() for p in drafter.parameters())
+        assert M.feature_blocks(shapes, cfg) * spec.hidden_size == packet_spec(cfg, spec, CPU).feat_dim
+        assert not M.runs_whole_target(cfg)
+        terms[variant] = C.drafter_terms(shapes, prec, cfg, w, 0).terms
+        mem[variant] = M.drafter_terms(shapes, prec, cfg, w, 0)
+    assert set(terms["domino"]) - set(terms["dflash"]) == {"domino_gru", "domino_delta", "domino_gru_elementwise",
+                                                          "domino_final_softmax"}
+    assert mem["domino"]["activations"] > mem["dflash"]["activations"]
+    assert mem["domino"]["transient"] > mem["dflash"]["transient"]  # two float32 (rows, V) buffers
+    cfg8 = load_config("configs/qwen3_8b.yaml", ["model.draft.variant=domino"])
+    s8 = model_shapes(cfg8, "qwen3-8b")
+    head = 3 * 1024 * (4096 + 1024) + 256 * (4096 + 1024) + 151936 * 256
+    assert (round(head / 1e6, 1), round(151936 * 256 / 1e6, 1)) == (55.9, 38.9)
+    assert M.domino_params(s8, cfg8) == head
