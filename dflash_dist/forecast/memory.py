@@ -478,9 +478,10 @@ def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, worst: BatchShape, 
     spark_saved, spark_chunk = dspark_loss_bytes(s, p, cfg, rows, R)
     domino_saved, domino_chunk = domino_loss_bytes(s, p, cfg, rows, R)  # Domino's too (its GRU's, its head's)
     tail += sel_saved + spark_saved + domino_saved
-    # target_full (objective._distill_rows): the target's logits, the slot's and p_t, three float32 (rows, V).
+    # target_full (objective._distill_rows): the target's logits, the slot's and p_t, three float32 (rows, V),
+    # and the gradient's cast to the compute dtype beside them (none in float32).
     full = cfg.objective.labels == "target_full"
-    loss_chunk = spark_chunk or domino_chunk or rows * V * (12 if full else 4 + (c if c != 4 else 0))
+    loss_chunk = spark_chunk or domino_chunk or rows * V * ((12 if full else 4) + (c if c != 4 else 0))
     loss_chunk += R * c * H if c != 4 else 0
     # Backward peaks at its start, before any saved tensor is freed: the hidden states' gradient (and its
     # float32 cast) and the final norm's float32 temporaries, about five (R, H) float32 in all (measured).

@@ -226,3 +226,19 @@ def test_dflash2_trains_its_unary_head_on_the_distribution_and_its_selector_on_t
     hits = (unary_logits.topk(8, dim=-1).indices == top1[..., None]).any(-1) & trained
     data_hits = (unary_logits.topk(8, dim=-1).indices == labels[..., None]).any(-1) & trained
     assert torch.equal(m.topk_hits, hits.sum(0)) and not torch.equal(hits, data_hits)
+
+
+def test_the_memory_model_matches_a_measured_target_full_step():
+    """bench.memory's validation at the scaled shape test_memory uses (bf16 autocast, as on CUDA): the
+    target's peak with the final-state block and the drafter's, whose loss chunk holds three float32
+    (rows, V) buffers and the gradient's cast, within the band test_memory holds the other modes to."""
+    from dataclasses import replace
+
+    import dflash_dist.bench.memory as BM
+    from test_memory import SMALL
+    v = BM.validate(replace(SMALL, bf16=True, labels="target_full"), time_steps=False)
+    ratios = {"target": v["target"]["predicted"] / v["target"]["measured"]}
+    for name in ("chunked", "unchunked"):
+        ratios[name] = v[name]["predicted"] / v[name]["measured"]
+        ratios[name + " saved"] = v[name]["saved_predicted"] / v[name]["saved_measured"]
+    assert all(0.85 <= r <= 1.15 for r in ratios.values()), ratios
