@@ -180,7 +180,7 @@ def acceptance(model, ds, feats, base: int, num_anchors: int, seed: int, width: 
     anchor-as-first variant's slot d - 1), so the variants' columns compare; index 0 is unused (0)."""
     B, v = model.spec.block_size, model.spec.family
     D, K = v.drafts(B), model.spec.selector_top_k
-    first = B - D  # the first drafting slot: 1 (DFlash), 0 (anchor as first)
+    first = 0 if v.anchor_drafts else 1  # the first drafting slot; slots first .. first + D - 1 draft
     hits, in_top, valid, accept, blocks = torch.zeros(D + 1), torch.zeros(D + 1), torch.zeros(D + 1), 0.0, 0
     model.eval()
     for s in range(0, len(ds), seqs):
@@ -193,10 +193,11 @@ def acceptance(model, ds, feats, base: int, num_anchors: int, seed: int, width: 
         hidden = model.draft_hidden(model.context(f), batch.input_ids, batch.position_ids, anchors,
                                     anchor_seq_starts(batch.cu_seqlens, cu, anchors.numel()))
         drafted = model.block_tokens(hidden, batch.input_ids[anchors])  # (A, D): the served path
-        ok = labels[:, first:] >= 0
-        hit = (drafted == labels[:, first:]) & ok
-        top = model.lm_head(hidden[:, first:].to(model.lm_head.weight.dtype)).topk(K, dim=-1).indices
-        in_top[1:] += ((top == labels[:, first:, None]).any(-1) & ok).sum(0).float()
+        served = labels[:, first:first + D]
+        ok = served >= 0
+        hit = (drafted == served) & ok
+        top = model.lm_head(hidden[:, first:first + D].to(model.lm_head.weight.dtype)).topk(K, dim=-1).indices
+        in_top[1:] += ((top == served[..., None]).any(-1) & ok).sum(0).float()
         hits[1:] += hit.sum(0).float()
         valid[1:] += ok.sum(0).float()
         accept += float(accepted_lengths(hit).sum())

@@ -91,11 +91,11 @@ def test_the_rollout_fed_the_labels_is_the_teacher_forced_head():
     torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(tokens, want.argmax(-1))
     drafts = model.block_tokens(hidden, prev[:, 0])
-    assert drafts.shape == (4, B)  # B drafts: every slot's
+    assert drafts.shape == (4, B - 1)  # B - 1 drafts: SGLang's proposals, slots 0..B-2
     with torch.no_grad():
-        own = oracle_logits(model, hidden, torch.cat([prev[:, :1], drafts[:, :-1]], dim=1))
+        own = oracle_logits(model, hidden, torch.cat([prev[:, :1], drafts], dim=1))[:, :-1]
     assert torch.equal(drafts, own.argmax(-1))
-    assert not torch.equal(drafts, model.lm_head(hidden).argmax(-1))  # the head changes the drafts
+    assert not torch.equal(drafts, model.lm_head(hidden[:, :-1]).argmax(-1))  # the head changes the drafts
 
 
 def test_labels_anchor_as_first_with_a_per_slot_mask():
@@ -136,7 +136,8 @@ def reference(model, data, feats, anchors, anchor_cu, lam, gamma=7.0):
     loss = (weights * ((1 - lam) * ce + lam * ce_b)).sum()
     valid = labels >= 0
     hit = (z.argmax(-1) == labels) & valid
-    return loss, weights.sum(), hit.sum(0), float((torch.cumprod(hit.long(), 1).sum(1) + 1).sum())
+    served = hit[:, :-1]  # SGLang proposes slots 0..B-2: the accepted run ends there
+    return loss, weights.sum(), hit.sum(0), float((torch.cumprod(served.long(), 1).sum(1) + 1).sum())
 
 
 @pytest.mark.parametrize("anchor_chunk, loss_rows, step, total", [(0, 8192, 3, 10), (4, 3, 3, 10), (1, 5, 0, 10),
@@ -317,3 +318,14 @@ def test_the_forecasts_count_the_gru_and_the_delta():
     head = 3 * 1024 * (4096 + 1024) + 256 * (4096 + 1024) + 151936 * 256
     assert (round(head / 1e6, 1), round(151936 * 256 / 1e6, 1)) == (55.9, 38.9)
     assert M.domino_params(s8, cfg8) == head
+
+
+def test_acceptance_counts_the_served_drafts_only():
+    """Every slot right: a block accepts its B - 1 drafts and the bonus (B tokens, SGLang's most), not
+    B + 1; the last slot's hits still count in its accuracy (it is trained)."""
+    from dflash_dist.models.variants.domino import served_metrics
+    labels = torch.arange(2 * B).view(2, B)
+    correct, accept_sum = served_metrics(labels.clone(), labels)
+    assert correct.tolist() == [2] * B and float(accept_sum) == 2 * B
+    labels[1, 1] = -100  # an untrained slot ends that block's run: 1 draft + the bonus
+    assert float(served_metrics(labels.clone(), labels)[1]) == B + 2

@@ -13,10 +13,10 @@ the token at anchor + k + 1 (`shift_label: true`), slot 0 from the base logits a
 Training labels every slot whose token lies inside the sequence and the loss mask (SpecForge's per-slot
 weight mask: no prefix rule), weighted exp(-k/gamma) (gamma 7 unless `objective.gamma` says otherwise).
 
-Drafts per block: this project's decoders draft with all B slots (B drafts, up to B + 1 tokens a verify
-step), as DSpark's layout does. SGLang's rollout proposes B - 1 (`num_proposals = block_size - 1`: its
-verify window is the block), the first B - 1 of the same drafts, so an SGLang step commits at most B;
-SpecForge's `_sample_draft_tokens` also drafts B - 1. The model card says so.
+Drafts per block: B - 1, slots 0..B-2, as SGLang serves it (`domino_greedy_rollout`: num_proposals =
+block_size - 1, its verify window is the block) and SpecForge's `_sample_draft_tokens` samples it, so the
+project's decoders and its training acceptance measure what the engine commits (at most B tokens a verify
+step). The last slot is trained as SpecForge trains it (every slot of the shifted block) and never drafts.
 """
 from __future__ import annotations
 
@@ -45,6 +45,13 @@ base logits (`--speculative-domino-candidate-pool-size`, 0: the whole vocabulary
 project's decoders make)."""
 
 
+def served_metrics(pred: torch.Tensor, labels: torch.Tensor):
+    """(correct (B,) at every trained slot, accept_sum of the served drafts): the accepted run counts
+    slots 0..B-2 only, the B - 1 that SGLang proposes (the last slot is trained, never drafted)."""
+    correct, _ = slot_metrics(pred, labels)
+    return correct, slot_metrics(pred[:, :-1], labels[:, :-1])[1]
+
+
 class Domino(Variant):
     name = "domino"
     title = "Domino"
@@ -64,18 +71,21 @@ class Domino(Variant):
     def options(self, objective) -> DominoOptions:
         return DominoOptions(objective.domino_lambda_fraction)
 
+    def drafts(self, block_size: int) -> int:
+        return block_size - 1  # SGLang's proposals: the block is its verify window
+
     def loss_term(self, model, hidden, chunk: LossChunk, loss_sum, metrics, top, options: DominoOptions):
-        """The whole loss (`domino_loss.py`) at this step's lambda; acc and acceptance follow the final
-        logits (what decoding drafts), every slot a draft."""
+        """The whole loss (`domino_loss.py`) at this step's lambda; acc follows the final logits (what
+        decoding drafts) at every trained slot, acceptance the served drafts' (slots 0..B-2)."""
         lam = domino_lambda(chunk.progress.step, chunk.progress.total, options.lambda_fraction)
         loss, pred = domino_term(model, hidden, chunk, lam)
-        correct, accept_sum = slot_metrics(pred, chunk.labels)
+        correct, accept_sum = served_metrics(pred, chunk.labels)
         return loss, replace(metrics, loss_sum=loss.detach(), correct=correct, accept_sum=accept_sum)
 
     @torch.no_grad()
     def block_tokens(self, model, hidden, anchor_ids):
-        """(N, B): the greedy rollout, each slot's GRU fed the tokens drafted before it."""
-        return domino_rollout(model, hidden, anchor_ids)[0]
+        """(N, B - 1): the greedy rollout, each slot's GRU fed the tokens drafted before it (SGLang's)."""
+        return domino_rollout(model, hidden[:, :-1], anchor_ids)[0]
 
     def config_fields(self, spec) -> dict:
         # SGLang's parse_dflash_draft_config reads these from dflash_config (emb_dim also at the top level,
@@ -95,8 +105,8 @@ class Domino(Variant):
                 "domino_emb_dim": int(dc.get("emb_dim", cfg.get("emb_dim")))}
 
     def card_rows(self, spec):
-        return [("Domino", f"anchor as first ({spec.block_size} drafts per block; SGLang proposes "
-                           f"{spec.block_size - 1}); GRU over the previous tokens' embeddings, hidden "
+        return [("Domino", f"anchor as first ({spec.block_size - 1} drafts per block, as SGLang proposes them; "
+                           f"all {spec.block_size} slots trained); GRU over the previous tokens' embeddings, hidden "
                            f"{spec.gru_hidden_dim}; logit delta Linear({spec.hidden_size + spec.gru_hidden_dim}, "
                            f"{spec.domino_emb_dim}) -> SiLU -> Linear({spec.domino_emb_dim}, {spec.vocab_size}) on "
                            "slots 1..B-1")]
