@@ -431,15 +431,17 @@ def _check_dspark(cfg: Config) -> None:
 
 
 def _check_domino(cfg: Config) -> None:
-    """Domino's loss is the cross-entropy of its own final and base logits on the data's tokens, weighed
-    by exp(-k/gamma) in its anchor-as-first layout (models/variants/domino_loss.py): another label kind
-    or D-PACE's weights would be silently ignored, so they are refused."""
+    """Domino's loss is the cross-entropy of its own final and base logits on the data's tokens, or under
+    target_full their distillation of the target's whole distribution, weighed by exp(-k/gamma) in its
+    anchor-as-first layout (models/variants/domino_loss.py): the target's argmax or top-k labels and
+    D-PACE's weights would be silently ignored, so they are refused."""
     if cfg.model.draft.variant != "domino":
         return
     o = cfg.objective
-    if o.labels != "data":
+    if o.labels not in ("data", "target_full"):
         raise ConfigError(f"config key 'objective.labels': {o.labels!r} with model.draft.variant=domino, whose loss "
-                          "is the cross-entropy on the data's tokens (use data)")
+                          "is the cross-entropy on the data's tokens or the distillation of the target's whole "
+                          "distribution (use data or target_full)")
     if o.position_weights != "gamma":
         raise ConfigError("config key 'objective.position_weights': domino weighs its slots by exp(-k/gamma) "
                           "(use gamma)")

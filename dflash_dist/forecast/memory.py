@@ -392,13 +392,15 @@ def domino_loss_bytes(s: ModelShapes, p: Precision, cfg: Config, rows: int, bloc
     W1's output and SiLU's (2E), float32; the loss keeps the input gradients it computes in the forward
     (models/variants/domino_loss.py) of h (H, the compute dtype) and of the delta features (E, float32)
     and W2's (V x E, float32); each row chunk holds two float32 (rows, V) buffers (the base logits' softmax
-    and the final's) beside the head matmul's output."""
+    and the final's) beside the head matmul's output, four under target_full (p_t and a scratch too:
+    domino_loss._MixedDistill)."""
     d = cfg.model.draft
     if d.variant != "domino":
         return 0, 0
     c, V, G, E, H = p.drafter_compute, s.vocab, d.gru_hidden_dim, d.domino_emb_dim, s.hidden
     saved = block_rows * (10 * 4 * G + 4 * (H + G + 2 * E) + c * H + 4 * E) + 4 * V * E
-    return saved, rows * V * (8 + (c if c != 4 else 0))
+    buffers = 4 if cfg.objective.labels == "target_full" else 2
+    return saved, rows * V * (4 * buffers + (c if c != 4 else 0))
 
 
 def dflash2_row_bytes(s: ModelShapes, p: Precision, cfg: Config) -> int:

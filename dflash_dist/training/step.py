@@ -65,7 +65,8 @@ def step_settings(objective: ObjectiveConfig, spec: DraftSpec, autocast_dtype: t
         raise ValueError(f"objective.block_size {objective.block_size} differs from the built spec's {spec.block_size}")
     dpace = objective.position_weights == "dpace"
     full = objective.labels == "target_full"
-    if full and not spec.family.unary_loss:  # config.py refuses DSpark by name; this holds for any such variant
+    # config.py refuses DSpark by name; this holds for any variant whose whole-loss term does not distil
+    if full and not spec.family.unary_loss and not spec.family.full_target_term:
         raise ValueError(f"objective.labels=target_full trains the plain head's loss, which variant "
                          f"{spec.family.name!r} does not compute (its loss_term is its whole loss)")
     return StepSettings(
@@ -174,10 +175,11 @@ def drafter_step(model: DFlashDrafter, batch: StepBatch, settings: StepSettings,
                                              full=chunk_full)
         else:  # the variant's term is the whole loss (DSpark: its slot logits carry a bias of their own)
             (loss_sum, m), top = no_head_loss(labels[sl], weights[sl]), []
-        # target_full: the variant's term reads the target's top-1 (as target_soft's), which the loss computed.
-        chunk_labels = labels[sl] if chunk_full is None else chunk_full.top1
+        # target_full: the variant's term reads the target's top-1 (as target_soft's), which the loss computed;
+        # a whole-loss term (Domino) gets the data's labels (the trained slots) and computes the target's itself.
+        chunk_labels = labels[sl] if chunk_full is None or chunk_full.top1 is None else chunk_full.top1
         terms = LossChunk(data.input_ids, anchors[sl], chunk_labels, weights[sl], o.loss_rows, batch.features,
-                          batch.progress)
+                          batch.progress, chunk_full)
         loss_sum, m = variant.loss_term(model, hidden, terms, loss_sum, m, top[0] if top else None,
                                         o.variant_options)
         if not last:

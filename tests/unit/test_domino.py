@@ -28,6 +28,8 @@ from dflash_dist.parallel.transport import packet_spec
 from dflash_dist.training.objective import anchor_generator, block_labels, draw_anchors
 from dflash_dist.training.step import StepBatch, drafter_step, step_settings
 
+from oracles import full_distill_loss
+
 CPU = torch.device("cpu")
 G, E = 10, 6
 SPEC = helpers.tiny_spec(variant="domino", gru_hidden_dim=G, domino_emb_dim=E)
@@ -120,9 +122,12 @@ def domino_step(model, data, feats, anchors, anchor_cu, progress=RunProgress(), 
     return drafter_step(model, StepBatch(data, feats, None, anchors, anchor_cu, progress), step_settings(o, model.spec))
 
 
-def reference(model, data, feats, anchors, anchor_cu, lam, gamma=7.0):
+def reference(model, data, feats, anchors, anchor_cu, lam, gamma=7.0, full=None):
     """(d) The plain loss: whole logits (A, B, V) of the base head and the oracle's final head, both
-    cross-entropies written out, weighted and summed over the trained slots."""
+    cross-entropies written out, weighted and summed over the trained slots. With `full` ((KL weight, L1
+    weight): target_full) each cross-entropy is instead oracles.full_distill_loss against the whole
+    softmax(lm_head(last[anchor + k])), `last` the features' final H columns, and the hits count against
+    the target's top-1."""
     labels, weights = block_labels(data.input_ids, data.loss_mask, data.cu_seqlens, anchors, anchor_cu, B, gamma,
                                    anchor_drafts=True)
     starts = data.cu_seqlens[:-1].repeat_interleave(anchor_cu[1:] - anchor_cu[:-1])
@@ -130,12 +135,19 @@ def reference(model, data, feats, anchors, anchor_cu, lam, gamma=7.0):
     pos = (anchors[:, None] + torch.arange(B)).clamp(max=data.input_ids.numel() - 1)
     z = oracle_logits(model, hidden, data.input_ids[pos])  # the GRU over the data tokens at anchor + k
     b = model.lm_head(hidden)
-    tgt = labels.flatten().clamp(min=0)
-    ce = F.cross_entropy(z.flatten(0, 1), tgt, reduction="none").view_as(labels)
-    ce_b = F.cross_entropy(b.flatten(0, 1), tgt, reduction="none").view_as(labels)
-    loss = (weights * ((1 - lam) * ce + lam * ce_b)).sum()
+    if full is None:
+        tgt = labels.flatten().clamp(min=0)
+        ce = F.cross_entropy(z.flatten(0, 1), tgt, reduction="none").view_as(labels)
+        ce_b = F.cross_entropy(b.flatten(0, 1), tgt, reduction="none").view_as(labels)
+        loss = (weights * ((1 - lam) * ce + lam * ce_b)).sum()
+        counted = labels
+    else:  # anchor as first: slot k drafts anchor + k + 1, which the target predicts from its state at anchor + k
+        teacher = model.lm_head(feats[:, -H:][pos])
+        final, _, counted = full_distill_loss(z, teacher, labels, weights, *full)
+        base, _, _ = full_distill_loss(b, teacher, labels, weights, *full)
+        loss = (1 - lam) * final + lam * base
     valid = labels >= 0
-    hit = (z.argmax(-1) == labels) & valid
+    hit = (z.argmax(-1) == counted) & valid
     served = hit[:, :-1]  # SGLang proposes slots 0..B-2: the accepted run ends there
     return loss, weights.sum(), hit.sum(0), float((torch.cumprod(served.long(), 1).sum(1) + 1).sum())
 
@@ -161,6 +173,57 @@ def test_domino_step_equals_the_plain_reference(batch, anchor_chunk, loss_rows, 
     assert float(m.loss_sum) == pytest.approx(float(loss.detach()), rel=1e-5)
     assert float(m.weight_sum) == pytest.approx(float(wsum), rel=1e-6)
     assert m.correct.tolist() == hits.tolist() and float(m.accept_sum) == pytest.approx(accept)
+
+
+def full_batch(batch):
+    """The batch's features with the target's final state as one more H-wide block (`sends_final_hidden`):
+    random rows, so the target's top-1 differs from the data's tokens."""
+    data, feats, anchors, anchor_cu = batch
+    last = torch.randn(feats.shape[0], H, generator=torch.Generator().manual_seed(5))
+    return data, torch.cat([feats, last], dim=1), anchors, anchor_cu
+
+
+@pytest.mark.parametrize("kl, l1", [(1.0, 0.0), (0.0, 1.0), (0.7, 0.3)])
+@pytest.mark.parametrize("anchor_chunk, loss_rows, step, total", [(0, 8192, 3, 10), (4, 3, 3, 10), (1, 5, 0, 10),
+                                                                  (2, 7, 9, 10), (0, 4, 0, 0)])
+def test_target_full_step_equals_the_plain_full_vocabulary_reference(batch, anchor_chunk, loss_rows, step, total,
+                                                                      kl, l1):
+    """objective.labels=target_full: chunked (anchors, rows) or not, at lambda 1, 0 and between, KL, L1 or
+    both: the loss, every gradient and the metrics (against the target's top-1) are the reference's."""
+    data, feats, anchors, anchor_cu = full_batch(batch)
+    lam = domino_lambda(step, total, 1.0)
+    model = make_model()
+    names, params = zip(*model.named_parameters())
+    loss, wsum, hits, accept = reference(model, data, feats, anchors, anchor_cu, lam, full=(kl, l1))
+    want = dict(zip(names, torch.autograd.grad(loss / wsum, params, allow_unused=True)))
+    data_hits = reference(model, data, feats[:, :-H], anchors, anchor_cu, lam)[2]
+    assert hits.tolist() != data_hits.tolist()  # the counted labels are the target's, not the data's
+    m = domino_step(model, data, feats, anchors, anchor_cu, RunProgress(step, total), anchor_chunk=anchor_chunk,
+                    loss_rows=loss_rows, labels="target_full", distill_kl_weight=kl, distill_l1_weight=l1)
+    for k, p in model.named_parameters():
+        if p.grad is None:  # lambda 1: nothing reaches the GRU and the delta
+            assert lam == 1.0 and (want[k] is None or not want[k].any()), k
+            continue
+        torch.testing.assert_close(p.grad, want[k], rtol=1e-5, atol=4e-6 * float(want[k].abs().max()), msg=k)
+    assert model.lm_head.weight.grad is None  # the frozen head, the target's and the drafter's
+    assert float(m.loss_sum) == pytest.approx(float(loss.detach()), rel=1e-5)
+    assert float(m.weight_sum) == pytest.approx(float(wsum), rel=1e-6)
+    assert m.correct.tolist() == hits.tolist() and float(m.accept_sum) == pytest.approx(accept)
+
+
+def test_target_full_trains_nothing_when_the_drafter_is_the_target(batch):
+    """A drafter whose final and base logits are the target's at every slot (W2 zero, the states the
+    target's) has a zero loss and gradient under KL and L1, and hits the target's top-1 everywhere."""
+    from dflash_dist.models.variants.domino_loss import _MixedDistill
+    head = torch.randn(V, H)
+    last = torch.randn(9, H)
+    h = last.clone().requires_grad_()
+    a = torch.randn(9, E, requires_grad=True)
+    w2 = torch.zeros(V, E, requires_grad=True)
+    loss, pred, top1 = _MixedDistill.apply(h, a, w2, head, last, torch.rand(9) + 0.5, 4, 0.3, 1.0, 1.0, True)
+    grads = torch.autograd.grad(loss, (h, a, w2))
+    assert abs(float(loss.detach())) < 1e-5 and all(float(g.abs().max()) < 1e-5 for g in grads)
+    assert torch.equal(pred, top1) and torch.equal(top1, (last @ head.T).argmax(-1))
 
 
 def test_lambda_moves_the_gradient_between_the_heads(batch):
@@ -200,6 +263,11 @@ def test_no_rows_x_vocabulary_tensor_outlives_a_row_chunk(batch):
     trained = int((block_labels(data.input_ids, data.loss_mask, data.cu_seqlens, anchors, anchor_cu, B, 7.0,
                                 anchor_drafts=True)[0] >= 0).sum())
     assert probe.rows == 5 and trained > 5
+    probe = _LargestWithVocab(model.lm_head.weight, model.embed_proj[2].weight)
+    with probe:  # target_full: the target's distribution too, in the same row chunks
+        domino_step(model, *full_batch(batch), RunProgress(4, 10), loss_rows=5, labels="target_full",
+                    distill_kl_weight=0.7, distill_l1_weight=0.3)
+    assert probe.rows == 5
 
 
 def test_the_lambda_schedule():
@@ -224,7 +292,9 @@ def test_domino_config_keys_and_refusals():
     cfg = load_config(overrides=["model.draft.variant=domino"])
     assert (cfg.model.draft.gru_hidden_dim, cfg.model.draft.domino_emb_dim, cfg.objective.domino_lambda_fraction) \
         == (1024, 256, 1.0)
-    for bad in ("objective.labels=target_argmax", "objective.position_weights=dpace",
+    full = load_config(overrides=["model.draft.variant=domino", "objective.labels=target_full", "objective.block_size=4"])
+    assert step_settings(full.objective, SPEC).full == (1.0, 0.0)  # the step takes it too: Domino's term distils
+    for bad in ("objective.labels=target_argmax", "objective.labels=target_soft", "objective.position_weights=dpace",
                 "model.draft.gru_hidden_dim=0", "model.draft.domino_emb_dim=0", "objective.domino_lambda_fraction=0",
                 "objective.domino_lambda_fraction=1.5"):
         with pytest.raises(ConfigError, match=bad.split("=")[0]):
@@ -313,6 +383,11 @@ def test_the_forecasts_count_the_gru_and_the_delta():
                                                           "domino_final_softmax"}
     assert mem["domino"]["activations"] > mem["dflash"]["activations"]
     assert mem["domino"]["transient"] > mem["dflash"]["transient"]  # two float32 (rows, V) buffers
+    # target_full: the target's final state on the wire, and two float32 (rows, V) more (p_t and a scratch)
+    full = load_config(overrides=base + ["model.draft.variant=domino", "objective.labels=target_full"])
+    assert M.feature_blocks(shapes, full) == M.feature_blocks(shapes, cfg) + 1 and M.runs_whole_target(full)
+    assert M.domino_loss_bytes(shapes, prec, full, 64, 400)[1] - M.domino_loss_bytes(shapes, prec, cfg, 64, 400)[1] \
+        == 2 * 4 * 64 * shapes.vocab
     cfg8 = load_config("configs/qwen3_8b.yaml", ["model.draft.variant=domino"])
     s8 = model_shapes(cfg8, "qwen3-8b")
     head = 3 * 1024 * (4096 + 1024) + 256 * (4096 + 1024) + 151936 * 256

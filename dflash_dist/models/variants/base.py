@@ -43,7 +43,8 @@ class RunProgress:
 class LossChunk:
     """One anchor chunk of a batch as a variant's loss term sees it: the packed batch's token ids, the
     chunk's anchors (packed indices), its labels and position weights (A, B), the LM head's row chunk,
-    the batch's target features (packed rows; DSpark reads the final hidden state it asked for)."""
+    the batch's target features (packed rows; DSpark reads the final hidden state it asked for), where
+    the run stands, and target_full's teacher for a term that computes it."""
     input_ids: torch.Tensor
     anchors: torch.Tensor
     labels: torch.Tensor
@@ -51,6 +52,9 @@ class LossChunk:
     rows: int
     features: torch.Tensor | None = None
     progress: RunProgress = RunProgress()
+    # objective.labels=target_full: the chunk's `training.objective.FullTarget` (the target's final states
+    # and each slot's position), for a term that is the whole loss (`full_target_term`); None otherwise.
+    full: Any = None
 
 
 class Variant:
@@ -70,6 +74,9 @@ class Variant:
     # Whether `loss_term` adds to the plain head's cross-entropy (`lm_head_loss`); False: its term is the
     # whole loss (DSpark: its slot logits carry a bias the plain head lacks) and the step skips that pass.
     unary_loss = True
+    # With `unary_loss` False: whether `loss_term` trains on objective.labels=target_full itself, against
+    # `LossChunk.full` (Domino); a unary variant takes target_full through the plain head's loss.
+    full_target_term = False
     # Targets send their final-normed last hidden state as one more H-wide block of each token's features.
     final_hidden_features = False
     # State-dict prefixes exported in float32 whatever the export's dtype (the engine's params are).

@@ -60,6 +60,7 @@ class Domino(Variant):
     anchor_drafts = True
     prefix_labels = False
     unary_loss = False
+    full_target_term = True  # target_full: its two terms distil the target's distribution (domino_loss.py)
     vllm_method = None  # vLLM 0.32 cannot serve it
 
     def heads(self, s):
@@ -75,11 +76,13 @@ class Domino(Variant):
         return block_size - 1  # SGLang's proposals: the block is its verify window
 
     def loss_term(self, model, hidden, chunk: LossChunk, loss_sum, metrics, top, options: DominoOptions):
-        """The whole loss (`domino_loss.py`) at this step's lambda; acc follows the final logits (what
-        decoding drafts) at every trained slot, acceptance the served drafts' (slots 0..B-2)."""
+        """The whole loss (`domino_loss.py`) at this step's lambda: the two cross-entropies, or under
+        target_full (`chunk.full`) the two distillations of the target's distribution; acc follows the
+        final logits (what decoding drafts) at every trained slot against the data's tokens or the
+        target's top-1, acceptance the served drafts' (slots 0..B-2)."""
         lam = domino_lambda(chunk.progress.step, chunk.progress.total, options.lambda_fraction)
-        loss, pred = domino_term(model, hidden, chunk, lam)
-        correct, accept_sum = served_metrics(pred, chunk.labels)
+        loss, pred, counted = domino_term(model, hidden, chunk, lam)
+        correct, accept_sum = served_metrics(pred, counted)
         return loss, replace(metrics, loss_sum=loss.detach(), correct=correct, accept_sum=accept_sum)
 
     @torch.no_grad()
