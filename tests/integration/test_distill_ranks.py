@@ -71,13 +71,18 @@ def test_packet_with_target_labels_round_trips():
     assert results["sender"] == [3, 3, 4, 3]  # the data path stays three tensors; soft adds the values
 
 
+DOMINO = ["model.draft.variant=domino", "model.draft.gru_hidden_dim=32", "model.draft.domino_emb_dim=16"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("labels", ["target_argmax", "target_soft", "target_full"])
-def test_three_ranks_train_on_target_labels(tmp_path, labels):
+@pytest.mark.parametrize("labels, variant", [("target_argmax", []), ("target_soft", []), ("target_full", []),
+                                             ("target_full", DOMINO)], ids=["argmax", "soft", "full", "full-domino"])
+def test_three_ranks_train_on_target_labels(tmp_path, labels, variant):
     """target_full: the target ranks send their final state as one more feature block and the drafters
-    train on its whole distribution (KL and L1 both weighted here), apart from them."""
+    train on its whole distribution (KL and L1 both weighted here), apart from them; Domino's two terms
+    (its own loss, not the plain head's) distil it alike."""
     res = torchrun(3, [f"objective.labels={labels}", "objective.soft_top_k=8", "objective.distill_l1_weight=0.5",
-                       "monitor.interval_s=0.02"], tmp_path)
+                       "monitor.interval_s=0.02", *variant], tmp_path)
     log = res.stdout + res.stderr
     assert res.returncode == 0, log[-4000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
