@@ -8,6 +8,7 @@ import torch
 from dflash_dist.bench import attention as bench_attention
 from dflash_dist.bench import dflash2_step
 from dflash_dist.bench import gpu_check
+from dflash_dist.bench import variant_step
 
 
 def test_dflash2_step_bench_tiny(tmp_path, capsys):
@@ -18,6 +19,18 @@ def test_dflash2_step_bench_tiny(tmp_path, capsys):
     res = json.loads(out.read_text())
     assert res["shape"]["anchors"] == 8 and set(res["step_s"]) == {"dflash", "dflash2"}
     assert res["ratio"] == res["step_s"]["dflash2"] / res["step_s"]["dflash"] and len(res["dflash2_parts_s"]) == 4
+
+
+def test_variant_step_bench_tiny(tmp_path, capsys):
+    """Every family variant's step beside DFlash's on one batch (the final-state block where one reads it)."""
+    out = tmp_path / "variant_step.json"
+    variant_step.main(["--seqs", "2", "--prompt", "8", "--reply", "24", "--num-anchors", "4", "--vocab", "512",
+                       "--hidden", "576", "--reps", "1", "--warmup", "0", "--json", str(out)])
+    text = capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert res["anchors"] == 8 and list(res["seconds"]) == ["dflash", "dflash2", "dspark", "domino", "dflash+full"]
+    for name, s in res["seconds"].items():
+        assert s > 0 and res["ratio"][name] == s / res["seconds"]["dflash"] and f"| {name} |" in text
 
 
 def test_attention_bench_tiny(tmp_path, capsys):
