@@ -298,7 +298,10 @@ def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, w: BatchShape, chun
     if cfg.objective.labels == "target_full":  # objective._distill_rows: the target's logits (forward only),
         # its log-softmax and p_t, the KL and L1 passes: about as much element-wise work again as the loss's
         t["distill_head"] = Term("matmul", 2 * rows * H * V)
-        t["distill_loss"] = Term("memory", rows * V * (LOSS_BYTES_F32 + (c + 4 if c != 4 else 0)))
+        # Domino distils both its logits while lambda is strictly between 0 and 1 (the first
+        # objective.domino_lambda_fraction of the run), then its final logits alone: 1 + f passes a batch on average.
+        passes = 1 + cfg.objective.domino_lambda_fraction if cfg.model.draft.variant == "domino" else 1
+        t["distill_loss"] = Term("memory", passes * rows * V * (LOSS_BYTES_F32 + (c + 4 if c != 4 else 0)))
     if cfg.model.draft.checkpoint_layers:
         # torch's non-reentrant checkpoint stops once the saved tensors are rebuilt: no layer's down_proj
         down = 2 * R * L * s.hidden * s.draft_intermediate

@@ -388,6 +388,13 @@ def test_the_forecasts_count_the_gru_and_the_delta():
     assert M.feature_blocks(shapes, full) == M.feature_blocks(shapes, cfg) + 1 and M.runs_whole_target(full)
     assert M.domino_loss_bytes(shapes, prec, full, 64, 400)[1] - M.domino_loss_bytes(shapes, prec, cfg, 64, 400)[1] \
         == 2 * 4 * 64 * shapes.vocab
+    # its distillation runs on both logits while lambda is between 0 and 1: 1 + f passes a batch, DFlash's one
+    dflash_full = load_config(overrides=base + ["objective.labels=target_full"])
+    one = C.drafter_terms(shapes, prec, dflash_full, w, 0).terms["distill_loss"].amount
+    for f in (1.0, 0.25):
+        half = load_config(overrides=base + ["model.draft.variant=domino", "objective.labels=target_full",
+                                             f"objective.domino_lambda_fraction={f}"])
+        assert C.drafter_terms(shapes, prec, half, w, 0).terms["distill_loss"].amount == pytest.approx((1 + f) * one)
     cfg8 = load_config("configs/qwen3_8b.yaml", ["model.draft.variant=domino"])
     s8 = model_shapes(cfg8, "qwen3-8b")
     head = 3 * 1024 * (4096 + 1024) + 256 * (4096 + 1024) + 151936 * 256
