@@ -70,9 +70,9 @@ def capture(data, tmp_path, monkeypatch):
     target = build_target(cfg, torch.device("cpu"))
     ds, layers = open_dataset(data), draft_spec(cfg, target).target_layer_ids
     calls, real = [], target.capture
-    monkeypatch.setattr(target, "capture", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(target, "capture", lambda *a, **k: calls.append(1) or real(*a, **k))
     cache = tmp_path / "cache" / "features.pt"
-    return (lambda: learning.capture_all(target, ds, layers, cache)), cache, calls
+    return (lambda: learning.capture_all(target, ds, layers, cache, cfg.objective, final=False)), cache, calls
 
 
 @pytest.mark.parametrize("damage", ["cut", "garbage", "wrong samples"])
