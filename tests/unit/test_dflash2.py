@@ -10,7 +10,7 @@ import helpers
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from torch.utils._python_dispatch import TorchDispatchMode
+from probes import LargestWithVocab
 
 from dflash_dist.config import ConfigError, load_config
 from dflash_dist.data.collate import PackedBatch
@@ -142,23 +142,6 @@ def test_acc_and_tau_follow_the_selector_path_not_the_unary_head(batch):
     assert hits.sum() > 0 and hits.tolist() != unary_hits.tolist()
 
 
-class _LargestWithVocab(TorchDispatchMode):
-    """The most rows of any tensor an op makes with a vocabulary-sized last dimension (views of the
-    frozen head's own weight, W.T for a matmul, aside)."""
-
-    def __init__(self, head: torch.Tensor):
-        super().__init__()
-        self.rows, self.head = 0, head.untyped_storage().data_ptr()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == V \
-                    and t.untyped_storage().data_ptr() != self.head:
-                self.rows = max(self.rows, t.numel() // V)
-        return out
-
-
 @pytest.mark.parametrize("rows, kind", [(8192, "data"), (7, "data"), (5, "soft"), (3, "dpace")])
 def test_the_loss_top_k_is_unary_top_k(rows, kind):
     """The candidates `lm_head_loss(top_k=K)` reads off its own logits are `unary_top_k`'s ids at the rows
@@ -220,7 +203,7 @@ def test_codebooks_and_top_k_never_build_rows_by_vocabulary(batch):
     rows = 3
     assert anchors.numel() * (B - 1) > 4 * rows
     model = make_model()
-    with _LargestWithVocab(model.lm_head.weight) as probe:
+    with LargestWithVocab(V, model.lm_head.weight) as probe:
         helpers.train_step(model, data, feats, None, anchors, anchor_cu, gamma=7.0, anchor_chunk=2, loss_rows=rows)
     assert probe.rows == rows
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from torch.utils._python_dispatch import TorchDispatchMode
+from probes import LargestWithVocab
 
 from dflash_dist.config import ConfigError, ObjectiveConfig, load_config
 from dflash_dist.data.collate import PackedBatch
@@ -237,33 +237,16 @@ def test_lambda_moves_the_gradient_between_the_heads(batch):
     assert model.embed_proj[2].weight.grad.abs().sum() > 0 and model.prefix_gru.weight_hh_l0.grad.abs().sum() > 0
 
 
-class _LargestWithVocab(TorchDispatchMode):
-    """The most rows of any tensor an op makes with a vocabulary-sized last dimension (views of the
-    frozen head's weight and of W2 aside)."""
-
-    def __init__(self, *weights: torch.Tensor):
-        super().__init__()
-        self.rows, self.skip = 0, {w.untyped_storage().data_ptr() for w in weights}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == V \
-                    and t.untyped_storage().data_ptr() not in self.skip:
-                self.rows = max(self.rows, t.numel() // V)
-        return out
-
-
 def test_no_rows_x_vocabulary_tensor_outlives_a_row_chunk(batch):
     data, feats, anchors, anchor_cu = batch
     model = make_model()
-    probe = _LargestWithVocab(model.lm_head.weight, model.embed_proj[2].weight)
+    probe = LargestWithVocab(V, model.lm_head.weight, model.embed_proj[2].weight)
     with probe:
         domino_step(model, data, feats, anchors, anchor_cu, RunProgress(4, 10), loss_rows=5)
     trained = int((block_labels(data.input_ids, data.loss_mask, data.cu_seqlens, anchors, anchor_cu, B, 7.0,
                                 anchor_drafts=True)[0] >= 0).sum())
     assert probe.rows == 5 and trained > 5
-    probe = _LargestWithVocab(model.lm_head.weight, model.embed_proj[2].weight)
+    probe = LargestWithVocab(V, model.lm_head.weight, model.embed_proj[2].weight)
     with probe:  # target_full: the target's distribution too, in the same row chunks
         domino_step(model, *full_batch(batch), RunProgress(4, 10), loss_rows=5, labels="target_full",
                     distill_kl_weight=0.7, distill_l1_weight=0.3)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from torch.utils._python_dispatch import TorchDispatchMode
+from probes import LargestWithVocab
 
 from dflash_dist.config import ConfigError, load_config
 from dflash_dist.data.collate import PackedBatch
@@ -116,27 +116,10 @@ def test_dspark_step_equals_the_plain_reference(batch, anchor_chunk, loss_rows):
     assert m.correct.tolist() == hits.tolist() and float(m.accept_sum) == pytest.approx(accept)
 
 
-class _LargestWithVocab(TorchDispatchMode):
-    """The most rows of any tensor an op makes with a vocabulary-sized last dimension (views of the
-    frozen head's weight and of W2, transposed for a matmul, aside)."""
-
-    def __init__(self, *weights: torch.Tensor):
-        super().__init__()
-        self.rows, self.skip = 0, {w.untyped_storage().data_ptr() for w in weights}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == V \
-                    and t.untyped_storage().data_ptr() not in self.skip:
-                self.rows = max(self.rows, t.numel() // V)
-        return out
-
-
 def test_no_rows_x_vocabulary_tensor_outlives_a_row_chunk(batch):
     data, feats, anchors, anchor_cu = batch
     model = make_model()
-    probe = _LargestWithVocab(model.lm_head.weight, model.markov_head.markov_w2.weight)
+    probe = LargestWithVocab(V, model.lm_head.weight, model.markov_head.markov_w2.weight)
     with probe:
         helpers.train_step(model, data, feats, None, anchors, anchor_cu, loss_rows=5)
     assert probe.rows == 5 and int((block_labels(data.input_ids, data.loss_mask, data.cu_seqlens, anchors, anchor_cu,
