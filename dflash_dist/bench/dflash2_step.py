@@ -51,13 +51,19 @@ def make_batch(seqs: int, prompt: int, reply: int, anchors: int, feat: int, voca
     return data, torch.randn(n, feat, generator=gen), a, a_cu
 
 
-def make_drafters(spec: DraftSpec, seed: int) -> dict[str, DFlashDrafter]:
-    gen = torch.Generator().manual_seed(seed)
+def tied_head(spec: DraftSpec, gen: torch.Generator) -> tuple[torch.nn.Embedding, torch.nn.Linear]:
+    """A random frozen embedding and LM head, tied as SmolLM2's."""
     embed = torch.nn.Embedding(spec.vocab_size, spec.hidden_size)
     head = torch.nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
     with torch.no_grad():
         embed.weight.normal_(0, 0.05, generator=gen)
-        head.weight.copy_(embed.weight)  # tied, as SmolLM2's
+        head.weight.copy_(embed.weight)
+    return embed, head
+
+
+def make_drafters(spec: DraftSpec, seed: int) -> dict[str, DFlashDrafter]:
+    gen = torch.Generator().manual_seed(seed)
+    embed, head = tied_head(spec, gen)
     out = {}
     for variant in ("dflash", "dflash2"):
         torch.manual_seed(seed)

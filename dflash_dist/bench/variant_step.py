@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch
 
 from dflash_dist.bench.common import time_interleaved
-from dflash_dist.bench.dflash2_step import SPEC, make_batch
+from dflash_dist.bench.dflash2_step import SPEC, make_batch, tied_head
 from dflash_dist.bench.jobs import write_json
 from dflash_dist.config import ObjectiveConfig
 from dflash_dist.models.drafter import DFlashDrafter
@@ -58,12 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     H, B, V = spec.hidden_size, spec.block_size, spec.vocab_size
     data, feats, anchors, anchor_cu = make_batch(args.seqs, args.prompt, args.reply, args.num_anchors,
                                                  (len(spec.target_layer_ids) + 1) * H, V, args.seed)
-    gen = torch.Generator().manual_seed(args.seed)
-    embed = torch.nn.Embedding(V, H)
-    head = torch.nn.Linear(H, V, bias=False)
-    with torch.no_grad():
-        embed.weight.normal_(0, 0.05, generator=gen)
-        head.weight.copy_(embed.weight)  # tied, as SmolLM2's
+    embed, head = tied_head(spec, torch.Generator().manual_seed(args.seed))
     steps, backbone = {}, None
     for name in names:
         variant, labels = CASES[name]
