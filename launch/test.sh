@@ -15,7 +15,27 @@ else
   VLLM=1 REAL=1 bash launch/setup.sh  # the regeneration and evaluation tests run vLLM for real; REAL: the SmolLM2 target and data
   bash launch/slurm_local.sh install  # slurm-wlm + munge (apt) where missing: tests/system/test_slurm.py starts a one-node cluster
 fi
+# unit and integration run on two pytest-xdist workers: an in-process test holds one thread, and a
+# multi-process test's ranks wait on each other about half the time (a 3-rank job on 2 cores: 45% busy),
+# so two at once fill the cores. A file's tests share one worker (--dist loadfile: module fixtures,
+# one run's several checks). The system tier (one Slurm cluster, vLLM engines that take both cores) runs
+# serially. PYTEST_WORKERS=0 runs every tier serially.
+workers=${PYTEST_WORKERS:-2}
+par=()
+[ "$workers" = 0 ] || par=(-n "$workers" --dist loadfile)
+run_tier() {  # TIER [pytest args]
+  local t=$1 && shift
+  case "$t" in system) .venv/bin/python -m pytest -q "tests/$t" "$@" ;; *) .venv/bin/python -m pytest -q "${par[@]}" "tests/$t" "$@" ;; esac
+}
 if [ "$tier" = all ]; then
-  exec .venv/bin/python -m pytest -q --durations=15 "$@"  # pyproject's testpaths: the three tiers in order
+  failed=()
+  for t in unit integration system; do  # every tier runs, whatever an earlier one found
+    SECONDS=0
+    rc=0 && run_tier "$t" --durations=10 "$@" || rc=$?
+    [ "$rc" = 0 ] || [ "$rc" = 5 ] || failed+=("$t")  # 5: pytest found no test there (a -k filter)
+    echo "tier $t: ${SECONDS} s"
+  done
+  [ ${#failed[@]} = 0 ] || { echo "failed tiers: ${failed[*]}" >&2; exit 1; }
+  exit 0
 fi
-exec .venv/bin/python -m pytest -q "tests/$tier" "$@"
+run_tier "$tier" "$@"
