@@ -181,7 +181,7 @@ def acceptance(model, ds, feats, base: int, num_anchors: int, seed: int, width: 
     B, v = model.spec.block_size, model.spec.family
     D, K = v.drafts(B), model.spec.selector_top_k
     first = 0 if v.anchor_drafts else 1  # the first drafting slot; slots first .. first + D - 1 draft
-    hits, in_top, valid, accept, blocks = torch.zeros(D + 1), torch.zeros(D + 1), torch.zeros(D + 1), 0.0, 0
+    hits, in_top, valid, runs = torch.zeros(D + 1), torch.zeros(D + 1), torch.zeros(D + 1), []
     model.eval()
     for s in range(0, len(ds), seqs):
         idx = np.arange(s, min(s + seqs, len(ds)))
@@ -200,11 +200,20 @@ def acceptance(model, ds, feats, base: int, num_anchors: int, seed: int, width: 
         in_top[1:] += ((top == served[..., None]).any(-1) & ok).sum(0).float()
         hits[1:] += hit.sum(0).float()
         valid[1:] += ok.sum(0).float()
-        accept += float(accepted_lengths(hit).sum())
-        blocks += anchors.numel()
+        runs.append(accepted_lengths(hit))
     model.train()
     acc, recall = (hits / valid.clamp(min=1)).tolist(), (in_top / valid.clamp(min=1)).tolist()
-    return dict(tau=accept / max(blocks, 1), acc=acc, recall_top_k=recall, top_k=K, blocks=blocks)
+    runs = torch.cat(runs)
+    # every block's accepted length, in the anchors' seeded order (the same for every variant): the standard
+    # error of tau~ and, paired with another variant's, of their difference
+    return dict(tau=float(runs.mean()), tau_se=float(runs.std() / len(runs) ** 0.5), acc=acc, recall_top_k=recall,
+                top_k=K, blocks=len(runs), accepted=runs.tolist())
+
+
+def paired_se(a: list[float], b: list[float]) -> float:
+    """The standard error of mean(a) - mean(b) over the same blocks."""
+    d = torch.tensor(a) - torch.tensor(b)
+    return float(d.std() / len(d) ** 0.5)
 
 
 def sizes_flag(text: str) -> list[int]:
@@ -251,14 +260,16 @@ def parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
 def print_table(rows: list[dict], a, data: Path) -> None:
     print(f"\nheld-out tau~ (teacher-forced acceptance, {rows[0]['blocks']} blocks of {a.heldout} samples), {data}:")
     ref = {r["samples"]: r for r in rows if r["variant"] == rows[0]["variant"]}
-    head = f"{'variant':<15}{'samples':>8}{'steps':>7}{'step s':>8}{'x step':>8}{'loss':>8}{'tau~':>8}{'x tau':>7}"
+    head = (f"{'variant':<15}{'samples':>8}{'steps':>7}{'step s':>8}{'x step':>8}{'loss':>8}{'tau~':>8}{'se':>7}"
+            f"{'x tau':>7}{'d/se':>7}")
     slots = [k for k in SHOWN_SLOTS if k < len(rows[0]["acc"])]
     K = rows[0]["top_k"]
     print(head + "".join(f"{f'acc@{k}':>8}" for k in slots) + f"{f'top{K}@1':>9}{f'top{K}@4':>9}")
     for r in rows:
         base = ref[r["samples"]]
         print(f"{r['variant']:<15}{r['samples']:>8}{r['steps']:>7}{r['step_s']:>8.2f}{r['step_s'] / base['step_s']:>8.2f}"
-              f"{r['loss']:>8.3f}{r['tau']:>8.3f}{r['tau'] / base['tau']:>7.2f}"
+              f"{r['loss']:>8.3f}{r['tau']:>8.3f}{r['tau_se']:>7.3f}{r['tau'] / base['tau']:>7.2f}"
+              f"{(r['tau'] - base['tau']) / max(paired_se(r['accepted'], base['accepted']), 1e-12):>7.1f}"
               + "".join(f"{r['acc'][k]:>8.3f}" for k in slots)
               + "".join(f"{r['recall_top_k'][k]:>9.3f}" for k in (1, min(4, len(r['acc']) - 1))))
 

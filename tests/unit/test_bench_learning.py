@@ -73,6 +73,14 @@ def test_every_family_variant_learns_on_the_same_batches_and_is_read_by_distance
         drafts = 4 if name == "dspark" else 3  # B drafts a block (DSpark), or B - 1 (Domino as SGLang serves it)
         assert len(r["acc"]) == drafts + 1 and r["acc"][0] == 0.0 and r["blocks"] == 20 * 12, name
         assert r["tau"] - 1.0 <= sum(r["acc"][1:]) + 1e-6 and r["tau"] <= drafts + 1, name
+        # tau~ is the mean of every block's accepted length, its standard error theirs
+        runs = torch.tensor(r["accepted"])
+        assert len(runs) == r["blocks"] and r["tau"] == pytest.approx(float(runs.mean()))
+        assert r["tau_se"] == pytest.approx(float(runs.std()) / len(runs) ** 0.5) and r["tau_se"] > 0, name
+    # the paired standard error of two variants' difference, over the same blocks
+    a, b = rows["domino"]["accepted"], rows["dflash"]["accepted"]
+    d = torch.tensor(a) - torch.tensor(b)
+    assert learning.paired_se(a, b) == pytest.approx(float(d.std()) / len(d) ** 0.5) and float(d.std()) > 0
     for name in ("dflash", "domino"):
         assert rows[name]["tau"] > 3.0, (name, rows[name]["tau"])  # the counting rule, learned
     assert len(list((tmp_path / "cache").glob("learning-features-*.pt"))) == 1
