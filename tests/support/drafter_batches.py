@@ -61,3 +61,15 @@ def assert_drafters_give(worker, want: dict, tmp_path, world: int, args: tuple) 
     assert got.keys() == want.keys()
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def three_sequences(vocab: int, feat_dim: int):
+    """(PackedBatch, features (63, feat_dim), anchors, anchor_cu): three sequences of 23, 9 and 31 tokens,
+    random ids (never the last, the mask token) and a random loss mask (80%), 6 anchors a sequence: the
+    batch the variants' step tests hold to their plain references."""
+    gen = torch.Generator().manual_seed(1)
+    cu = torch.tensor([0, 23, 32, 63])
+    ids = torch.randint(0, vocab - 1, (63,), generator=gen)
+    mask = torch.rand(63, generator=gen) > 0.2
+    anchors, anchor_cu = draw_anchors(mask, cu, 6, anchor_generator(0, 0, 0))
+    return PackedBatch(ids, mask, cu), torch.randn(63, feat_dim, generator=gen), anchors, anchor_cu

@@ -10,17 +10,17 @@ import helpers
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
+from drafter_batches import three_sequences
 from probes import LargestWithVocab
 
 from dflash_dist.config import ConfigError, load_config
-from dflash_dist.data.collate import PackedBatch
 from dflash_dist.evaluation.reference import speculative_generate
 from dflash_dist.evaluation.speculative import ContextDrafter, speculative, target_greedy
 from dflash_dist.models.build import build_drafter, build_target, draft_spec
 from dflash_dist.models.drafter import DFlashDrafter
 from dflash_dist.models.dflash2 import candidate_logits, unary_top_k, walk
 from dflash_dist.models.export import export_drafter, load_drafter
-from dflash_dist.training.objective import anchor_generator, block_labels, draw_anchors, lm_head_loss
+from dflash_dist.training.objective import block_labels, lm_head_loss
 from dflash_dist.models.variants.dflash2_loss import _walked_rows
 from dflash_dist.training.stats import StepStats
 
@@ -53,12 +53,7 @@ def make_model(spec=SPEC, seed=0):
 
 @pytest.fixture(scope="module")
 def batch():
-    gen = torch.Generator().manual_seed(1)
-    cu = torch.tensor([0, 23, 32, 63])
-    ids = torch.randint(0, V - 1, (63,), generator=gen)
-    mask = torch.rand(63, generator=gen) > 0.2
-    anchors, anchor_cu = draw_anchors(mask, cu, 6, anchor_generator(0, 0, 0))
-    return PackedBatch(ids, mask, cu), torch.randn(63, 2 * H, generator=gen), anchors, anchor_cu
+    return three_sequences(V, 2 * H)
 
 
 def reference(model, data, feats, anchors, anchor_cu, alpha):

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
+from drafter_batches import three_sequences
 from probes import LargestWithVocab
 
 from dflash_dist.config import ConfigError, ObjectiveConfig, load_config
@@ -25,7 +26,7 @@ from dflash_dist.models.variants import RunProgress, variant_of_export
 from dflash_dist.models.variants.domino_head import domino_rollout, prefix_states
 from dflash_dist.models.variants.domino_loss import domino_lambda
 from dflash_dist.parallel.transport import packet_spec
-from dflash_dist.training.objective import anchor_generator, block_labels, draw_anchors
+from dflash_dist.training.objective import block_labels
 from dflash_dist.training.step import StepBatch, drafter_step, step_settings
 
 from oracles import full_distill_loss
@@ -58,12 +59,7 @@ def oracle_logits(model, hidden, prev):
 
 @pytest.fixture(scope="module")
 def batch():
-    gen = torch.Generator().manual_seed(1)
-    cu = torch.tensor([0, 23, 32, 63])
-    ids = torch.randint(0, V - 1, (63,), generator=gen)
-    mask = torch.rand(63, generator=gen) > 0.2
-    anchors, anchor_cu = draw_anchors(mask, cu, 6, anchor_generator(0, 0, 0))
-    return PackedBatch(ids, mask, cu), torch.randn(63, NFEAT * H, generator=gen), anchors, anchor_cu
+    return three_sequences(V, NFEAT * H)
 
 
 def test_the_gru_is_torchs_gru():

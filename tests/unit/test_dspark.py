@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
+from drafter_batches import three_sequences
 from probes import LargestWithVocab
 
 from dflash_dist.config import ConfigError, load_config
@@ -23,7 +24,7 @@ from dflash_dist.models.export import export_config, export_drafter, load_drafte
 from dflash_dist.models.variants.dspark_heads import markov_walk
 from dflash_dist.parallel.transport import packet_spec
 from dflash_dist.training.capture import capture_for_drafter
-from dflash_dist.training.objective import anchor_generator, block_labels, draw_anchors
+from dflash_dist.training.objective import block_labels
 
 CPU = torch.device("cpu")
 SPEC = helpers.tiny_spec(variant="dspark", markov_rank=6, confidence_head_with_markov=True)
@@ -43,12 +44,7 @@ def make_model(spec=SPEC, seed=0) -> DFlashDrafter:
 
 @pytest.fixture(scope="module")
 def batch():
-    gen = torch.Generator().manual_seed(1)
-    cu = torch.tensor([0, 23, 32, 63])
-    ids = torch.randint(0, V - 1, (63,), generator=gen)
-    mask = torch.rand(63, generator=gen) > 0.2
-    anchors, anchor_cu = draw_anchors(mask, cu, 6, anchor_generator(0, 0, 0))
-    return PackedBatch(ids, mask, cu), torch.randn(63, (NFEAT + 1) * H, generator=gen), anchors, anchor_cu
+    return three_sequences(V, (NFEAT + 1) * H)
 
 
 def test_labels_anchor_as_first_under_the_prefix_rule():
