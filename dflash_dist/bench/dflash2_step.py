@@ -39,6 +39,19 @@ SPEC = DraftSpec(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_
                  target_layer_ids=(1, 14, 27), num_target_layers=30)
 
 
+def add_shape_args(ap: argparse.ArgumentParser) -> None:
+    """The batch, shape and timing flags of the step benchmarks (this one and bench.variant_step)."""
+    ap.add_argument("--seqs", type=int, default=10)
+    ap.add_argument("--prompt", type=int, default=72)
+    ap.add_argument("--reply", type=int, default=128)
+    ap.add_argument("--num-anchors", type=int, default=16, help="per sequence")
+    ap.add_argument("--vocab", type=int, default=SPEC.vocab_size)
+    ap.add_argument("--hidden", type=int, default=SPEC.hidden_size)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+
+
 def make_batch(seqs: int, prompt: int, reply: int, anchors: int, feat: int, vocab: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     n = seqs * (prompt + reply)
@@ -112,16 +125,8 @@ def breakdown(model: DFlashDrafter, data, feats, anchors, anchor_cu, reps: int, 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dflash_dist.bench.dflash2_step", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seqs", type=int, default=10)
-    ap.add_argument("--prompt", type=int, default=72)
-    ap.add_argument("--reply", type=int, default=128)
-    ap.add_argument("--num-anchors", type=int, default=16, help="per sequence")
-    ap.add_argument("--vocab", type=int, default=SPEC.vocab_size)
-    ap.add_argument("--hidden", type=int, default=SPEC.hidden_size)
-    ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--warmup", type=int, default=1)
+    add_shape_args(ap)
     ap.add_argument("--no-breakdown", action="store_true")
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="runs/bench/dflash2_step.json")
     args = ap.parse_args(argv)
     spec = replace(SPEC, vocab_size=args.vocab, hidden_size=args.hidden, mask_token_id=min(16, args.vocab - 1))

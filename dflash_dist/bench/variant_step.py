@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch
 
 from dflash_dist.bench.common import time_interleaved
-from dflash_dist.bench.dflash2_step import SPEC, make_batch, tied_head
+from dflash_dist.bench.dflash2_step import SPEC, add_shape_args, make_batch, tied_head
 from dflash_dist.bench.jobs import write_json
 from dflash_dist.config import ObjectiveConfig
 from dflash_dist.models.drafter import DFlashDrafter
@@ -38,15 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dflash_dist.bench.variant_step", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", default="dflash2,dspark,domino,dflash+full", help=f"of {', '.join(CASES)}")
-    ap.add_argument("--seqs", type=int, default=10)
-    ap.add_argument("--prompt", type=int, default=72)
-    ap.add_argument("--reply", type=int, default=128)
-    ap.add_argument("--num-anchors", type=int, default=16, help="per sequence")
-    ap.add_argument("--vocab", type=int, default=SPEC.vocab_size)
-    ap.add_argument("--hidden", type=int, default=SPEC.hidden_size)
-    ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=0)
+    add_shape_args(ap)
     ap.add_argument("--json", default="runs/bench/variant_step.json")
     args = ap.parse_args(argv)
     names = ["dflash"] + [v for v in args.variants.split(",") if v and v != "dflash"]
