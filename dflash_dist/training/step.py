@@ -118,6 +118,16 @@ def merge_metrics(parts: list[StepMetrics]) -> StepMetrics:
                                 if getattr(parts[0], k) is not None})
 
 
+def final_state_targets(model: DFlashDrafter, features: torch.Tensor, anchors: torch.Tensor, num_tokens: int):
+    """objective.labels=target_full: (the target's final state, the features' last H columns as
+    `sends_final_hidden` sends them; each block slot's position in it (`label_positions`))."""
+    H = model.lm_head.weight.shape[1]
+    if features.shape[1] != (len(model.spec.target_layer_ids) + 1) * H:
+        raise ValueError("objective.labels=target_full: the features must end with the target's final hidden "
+                         "state (parallel/transport.py sends_final_hidden)")
+    return features[:, -H:], label_positions(anchors, model.spec.block_size, num_tokens, model.variant.anchor_drafts)
+
+
 def drafter_step(model: DFlashDrafter, batch: StepBatch, settings: StepSettings, *, scale: float = 1.0,
                  before_last_chunk: Callable[[], None] | None = None) -> StepMetrics:
     """Forward + backward of one batch; gradients accumulate in the parameters' .grad: those of
@@ -137,13 +147,7 @@ def drafter_step(model: DFlashDrafter, batch: StepBatch, settings: StepSettings,
     labels, weights, soft = batch_targets(data, batch.target, anchors, anchor_cu, o.block_size, o.gamma, dpace,
                                           variant)
     starts = host_starts.to(dev)
-    full = None
-    if o.full is not None:  # the target's final state, the features' last H columns (`sends_final_hidden`)
-        H = model.lm_head.weight.shape[1]
-        if batch.features.shape[1] != (len(model.spec.target_layer_ids) + 1) * H:
-            raise ValueError("objective.labels=target_full: the features must end with the target's final hidden "
-                             "state (parallel/transport.py sends_final_hidden)")
-        full = (batch.features[:, -H:], label_positions(anchors, o.block_size, data.num_tokens, variant.anchor_drafts))
+    full = None if o.full is None else final_state_targets(model, batch.features, anchors, data.num_tokens)
     norm = scale / loss_denominator(dpace, weights.sum().clamp(min=1e-9), A) if o.batch_mean else scale
     head, top_k = model.lm_head.weight, variant.loss_top_k(model.spec)
     autocast = o.autocast(dev)
