@@ -20,3 +20,20 @@ class LargestWithVocab(TorchDispatchMode):
                     and t.untyped_storage().data_ptr() not in self.skip:
                 self.rows = max(self.rows, t.numel() // self.vocab)
         return out
+
+
+class LargestOutput(TorchDispatchMode):
+    """The largest new tensor any op produces (numel), forward and backward; views of an input are not new."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(a, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                self.largest = max(self.largest, t.numel())
+        return out

@@ -16,7 +16,7 @@ from dflash_dist.training.objective import (FullTarget, anchor_generator, block_
                                             label_positions, lm_head_loss)
 
 from oracles import full_distill_loss
-from test_lm_loss import LargestOutput
+from probes import LargestOutput
 
 CPU = torch.device("cpu")
 A, B, H, V, N = 7, 6, 16, 300, 60

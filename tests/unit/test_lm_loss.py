@@ -2,7 +2,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+from probes import LargestOutput
 
 from dflash_dist.training.objective import argmax_block_labels, block_labels, lm_head_loss, soft_block_targets
 from oracles import dflash_loss
@@ -97,23 +97,6 @@ def test_no_labels_and_bad_arguments():
         lm_head_loss(hidden, head.clone().requires_grad_(), labels, weights)
     with pytest.raises(ValueError, match="rows"):
         lm_head_loss(hidden, head, labels, weights, rows=0)
-
-
-class LargestOutput(TorchDispatchMode):
-    """The largest new tensor any op produces (numel), forward and backward; views of an input are not new."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
-                  if isinstance(a, torch.Tensor)}
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
-                self.largest = max(self.largest, t.numel())
-        return out
 
 
 @pytest.mark.parametrize("mode", ["data", "target_soft"])
