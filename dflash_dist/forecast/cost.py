@@ -1,8 +1,8 @@
 """The cost model: seconds per batch of each role, predicted from shapes, and the target:drafter split
 that follows.
 
-It reads the same description of the job as the memory model (`memory.BatchShape`, `memory.Precision`,
-`memory.Sharding`, `model_shapes.ModelShapes`) and the same batches: those of the run's own plans
+It reads the same description of the job as the memory model (`job.BatchShape`, `job.Precision`,
+`job.Sharding`, `shapes.ModelShapes`) and the same batches: those of the run's own plans
 (`plan.build_plan`, anchors per sample from `plan.anchors_per_sample` over `TokenDataset.num_anchorable`
 or, without a dataset, `memory.tail_anchorable`). Each role's batch is a sum of named terms; a term is an
 amount of work of one kind:
@@ -48,93 +48,21 @@ import numpy as np
 
 from dflash_dist.config import Config
 from dflash_dist.data.anchors import anchors_per_sample
-from dflash_dist.forecast.memory import (SDPA_GROUP, BatchShape, Precision, Sharding, draft_param_count, feature_blocks,
-                                         runs_whole_target)
+from dflash_dist.forecast.job import BatchShape, Precision, Sharding
+from dflash_dist.forecast.memory import SDPA_GROUP, feature_blocks, runs_whole_target
 from dflash_dist.forecast.shapes import ModelShapes
+from dflash_dist.forecast.variants import draft_param_count, forecast_of
+from dflash_dist.forecast.work import DEVICES, Device, Efficiency, RoleCost, Term
 from dflash_dist.parallel.transport import target_label_width
 from dflash_dist.parallel.topology import candidate_splits  # the one split search (C.candidate_splits for callers)
 
 log = logging.getLogger(__name__)
 
-COMPUTE = ("matmul", "causal_attention", "block_attention")
-KINDS = COMPUTE + ("memory", "link", "network")
 # Bytes per logit of the loss's element-wise work (objective._head_chunk): the matmul output in the compute
 # dtype, its float32 copy, max, subtract and exp in place, the sum, the gradient's scaling, its cast back.
 LOSS_BYTES_F32 = 36
 ADAMW_BYTES = 28  # per parameter (fp32): read param, grad, exp_avg, exp_avg_sq; write param and both moments
 LOCKSTEP_DRAWS = 2000  # Monte Carlo draws of a step's D batches
-
-
-@dataclass(frozen=True)
-class Device:
-    """Peaks of one accelerator: dense TFLOP/s of the compute dtype (bf16 on GPUs), HBM GB/s, GB/s to
-    another GPU of the node (one direction) and to another node (per GPU)."""
-    name: str
-    tflops: float
-    mem_gbs: float
-    link_gbs: float
-    net_gbs: float
-
-    def rate(self, kind: str) -> float:
-        """Units (FLOPs or bytes) per second of `kind` at 100% efficiency."""
-        if kind in COMPUTE:
-            return self.tflops * 1e12
-        return {"memory": self.mem_gbs * 1e9, "link": self.link_gbs * 1e9, "network": self.net_gbs * 1e9}[kind]
-
-
-# NVIDIA's datasheets: H100 SXM and H200 989 TFLOP/s dense bf16 (1,979 with sparsity), HBM 3.35 and
-# 4.8 TB/s, NVLink 900 GB/s both directions; 8 x 400 Gb/s NICs per node = 50 GB/s per GPU between nodes.
-# "cpu" is nominal (a CPU run's start-of-run line): its seconds mean little, its split something.
-DEVICES = {
-    "h100": Device("H100 SXM", 989.0, 3350.0, 450.0, 50.0),
-    "h200": Device("H200", 989.0, 4800.0, 450.0, 50.0),
-    "cpu": Device("CPU (nominal)", 0.1, 20.0, 10.0, 1.0),
-}
-
-
-@dataclass(frozen=True)
-class Efficiency:
-    """Share of the peak each kind of work reaches (assumed until a GPU check measures it)."""
-    matmul: float = 0.6
-    causal_attention: float = 0.4  # flash-attn varlen (or flex) forward
-    block_attention: float = 0.3  # flex forward and backward over small blocks
-    memory: float = 0.7
-    link: float = 0.6
-    network: float = 0.7
-
-    def of(self, kind: str) -> float:
-        return getattr(self, kind)
-
-
-@dataclass(frozen=True)
-class Term:
-    kind: str
-    amount: float  # FLOPs (compute kinds) or bytes
-    useful: float | None = None  # of the FLOPs, those the model needs (None: all; a recompute: 0)
-
-
-@dataclass
-class RoleCost:
-    terms: dict[str, Term]
-
-    def seconds(self, dev: Device, eff: Efficiency, exclude: Sequence[str] = ()) -> float:
-        return sum(t.amount / (dev.rate(t.kind) * eff.of(t.kind)) for n, t in self.terms.items() if n not in exclude)
-
-    def by_term(self, dev: Device, eff: Efficiency) -> dict[str, float]:
-        return {n: t.amount / (dev.rate(t.kind) * eff.of(t.kind)) for n, t in self.terms.items()}
-
-    @property
-    def flops(self) -> float:
-        return sum(t.amount for t in self.terms.values() if t.kind in COMPUTE)
-
-    @property
-    def bytes(self) -> float:
-        """Bytes moved: element-wise work's, and between GPUs."""
-        return sum(t.amount for t in self.terms.values() if t.kind not in COMPUTE)
-
-    @property
-    def useful_flops(self) -> float:
-        return sum(t.amount if t.useful is None else t.useful for t in self.terms.values() if t.kind in COMPUTE)
 
 
 # -- batches ------------------------------------------------------------------------------------------
@@ -289,19 +217,13 @@ def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, w: BatchShape, chun
         "elementwise": Term("memory", 3 * L * (R * (40 * H + c * (4 * (H + K) + 5 * s.draft_intermediate))
                                                + float(spans.sum()) * c * 6 * K) + N * 12 * H),
     }
-    if cfg.model.draft.variant == "dflash2":
-        t.update(dflash2_terms(s, cfg, R, rows, w.anchors, c))
-    if cfg.model.draft.variant == "dspark":
-        t.update(dspark_terms(s, cfg, rows, c))
-    if cfg.model.draft.variant == "domino":
-        t.update(domino_terms(s, cfg, R, rows))
+    own = forecast_of(cfg)
+    t.update(own.cost_terms(s, cfg, c, R, rows, w.anchors))  # the variant's own modules (forecast/variants.py)
     if cfg.objective.labels == "target_full":  # objective._distill_rows: the target's logits (forward only),
         # its log-softmax and p_t, the KL and L1 passes: about as much element-wise work again as the loss's
         t["distill_head"] = Term("matmul", 2 * rows * H * V)
-        # Domino distils both its logits while lambda is strictly between 0 and 1 (the first
-        # objective.domino_lambda_fraction of the run), then its final logits alone: 1 + f passes a batch on average.
-        passes = 1 + cfg.objective.domino_lambda_fraction if cfg.model.draft.variant == "domino" else 1
-        t["distill_loss"] = Term("memory", passes * rows * V * (LOSS_BYTES_F32 + (c + 4 if c != 4 else 0)))
+        t["distill_loss"] = Term("memory", own.distill_passes(cfg) * rows * V
+                                 * (LOSS_BYTES_F32 + (c + 4 if c != 4 else 0)))
     if cfg.model.draft.checkpoint_layers:
         # torch's non-reentrant checkpoint stops once the saved tensors are rebuilt: no layer's down_proj
         down = 2 * R * L * s.hidden * s.draft_intermediate
@@ -311,49 +233,6 @@ def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, w: BatchShape, chun
         t["weight_casts"] = Term("memory", len(spans) * (4 + c) * draft_param_count(s, cfg))
     t.update(step_terms(s, sharding, nodes, draft_param_count(s, cfg)))
     return RoleCost(t)
-
-
-def dflash2_terms(s: ModelShapes, cfg: Config, R: int, rows: float, anchors: int, c: int) -> dict[str, Term]:
-    """DFlash 2's FLOPs (training/selector.py) on R block rows, `rows` of them labelled: the two
-    convolutions' projections per layer (trained: 3 x forward), the top-K read off the loss's logits (a
-    topk over each labelled row's V logits, `c` bytes each: no second pass of the head), the input
-    gradient of the K candidates' logits (their forward values come with the top-K), the hidden
-    projection (loss: forward and backward; walk: forward) and the codebook scores of the loss (K x R)
-    and of the walk (K x R: the chosen predecessor's row only)."""
-    d = cfg.model.draft
-    H, V, K, Rk, L = s.hidden, s.vocab, d.selector_top_k, d.selector_rank, s.draft_layers
-    drafted = R - anchors  # block slots 1..B-1
-    proj = 2 * 2 * H * 2 * d.conv_kernel_size * (H // d.conv_group_size)  # two convolutions, forward
-    return {"dflash2_conv": Term("matmul", 3 * R * L * proj),
-            "selector_top_k": Term("memory", rows * V * c),
-            "selector_scores": Term("matmul", 2 * H * K * rows + 2 * Rk * H * (3 * rows + drafted)
-                                    + 2 * K * Rk * (3 * rows + drafted)),
-            "dflash2_conv_elementwise": Term("memory", 3 * R * L * 2 * 2 * d.conv_kernel_size * H * 12)}
-
-
-def dspark_terms(s: ModelShapes, cfg: Config, rows: float, c: int) -> dict[str, Term]:
-    """DSpark's FLOPs beyond the LM head's forward and input gradient (models/variants/dspark_loss.py)
-    on `rows` labelled rows: the teacher's distribution, the frozen head over the target's final hidden
-    state (forward only); the Markov bias W2 . W1[prev] (forward, and the gradients into W1[prev] and
-    W2); the target's softmax and the L1 term's sign pass, a second float32 (rows, V) buffer."""
-    H, V, r = s.hidden, s.vocab, cfg.model.draft.markov_rank
-    return {"dspark_teacher_head": Term("matmul", 2 * rows * H * V),
-            "dspark_markov": Term("matmul", 3 * 2 * rows * r * V),
-            "dspark_teacher_softmax": Term("memory", rows * V * (c + 3 * 4))}
-
-
-def domino_terms(s: ModelShapes, cfg: Config, R: int, rows: float) -> dict[str, Term]:
-    """Domino's FLOPs beyond the LM head's forward and input gradient (models/variants/domino_loss.py,
-    domino_head.py): the GRU over every one of the R block rows (its input and recurrent products,
-    3G x (H + G) each row; trained: 3 x forward), the delta on the `rows` labelled rows (W1 over [h; s],
-    W2 to the vocabulary: forward, input gradient and weight gradient each), and the second float32
-    (rows, V) buffer (the final logits' softmax and gradient beside the base's)."""
-    d = cfg.model.draft
-    H, V, G, E = s.hidden, s.vocab, d.gru_hidden_dim, d.domino_emb_dim
-    return {"domino_gru": Term("matmul", 3 * 2 * R * 3 * G * (H + G)),
-            "domino_delta": Term("matmul", 3 * 2 * rows * E * (H + G + V)),
-            "domino_gru_elementwise": Term("memory", 3 * R * 3 * G * 4 * 4),
-            "domino_final_softmax": Term("memory", rows * V * (4 + 3 * 4))}
 
 
 STEP_TERMS = ("adamw", "grad_sync")  # once per optimizer step, not per batch

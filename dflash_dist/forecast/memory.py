@@ -34,70 +34,15 @@ from dflash_dist.config import Config, measures_tau
 from dflash_dist.data.anchors import anchors_per_sample, tail_anchorable
 from dflash_dist.parallel.transport import sends_final_hidden, target_label_width
 from dflash_dist.models.variants import variant_of
+from dflash_dist.forecast.job import BatchShape, Precision, Sharding
 from dflash_dist.forecast.shapes import KNOWN_ARCHS, ModelShapes, model_shapes
+from dflash_dist.forecast.variants import draft_param_count, forecast_of
 
 GiB = 2 ** 30
 SDPA_GROUP = 32  # blocks per SDPA call in the drafter's "sdpa" attention path (models.attention)
 DISTILL_CHUNK = 4096  # tokens per logits chunk of the target's distillation labels (objective)
 CUDA_RESERVED = 1.0 * GiB  # CUDA context, cuBLAS/NCCL workspaces: outside torch's tensors
 SLACK = 0.10  # caching-allocator fragmentation, as a share of the step-dependent terms (CUDA only)
-@dataclass(frozen=True)
-class BatchShape:
-    """One batch as the memory model sees it. seq_lens/seq_anchors (per sequence) and anchor_pos (each
-    anchor's offset in its sequence, grouped by sequence) serve the "sdpa" attention term; without
-    anchor_pos every anchor is taken to see its whole sequence (an upper bound)."""
-    tokens: int
-    seqs: int
-    anchors: int
-    seq_lens: tuple[int, ...] = ()
-    seq_anchors: tuple[int, ...] = ()
-    anchor_pos: tuple[int, ...] = ()
-
-    def summary(self) -> dict:
-        return {"tokens": self.tokens, "seqs": self.seqs, "anchors": self.anchors}
-
-
-@dataclass(frozen=True)
-class Sharding:
-    """How a role's state is divided over ranks: tensor_parallel ranks per target replica share its
-    weights and activations; with fsdp the drafters share parameters, gradients and optimizer state."""
-    tensor_parallel: int = 1
-    drafters: int = 1
-    fsdp: bool = False
-    # torch DDP keeps flat gradient buckets (a second copy of the gradients). The drafter role does not
-    # use DDP (one flat-bucket all-reduce per step after the chunks, dist.all_reduce_grads), so off.
-    ddp: bool = False
-    drafters_per_target: int = 1  # drafters one target replica sends to (its packets in flight)
-
-    @classmethod
-    def from_config(cls, cfg: Config, num_drafters: int | None = None) -> "Sharding":
-        fsdp = cfg.roles.drafter_sharding == "fsdp"
-        return cls(tensor_parallel=cfg.model.target.tensor_parallel,
-                   drafters=num_drafters or cfg.roles.drafters_per_node, fsdp=fsdp,
-                   drafters_per_target=cfg.roles.drafters_per_node)
-
-
-@dataclass(frozen=True)
-class Precision:
-    """Element sizes and paths of the device the job runs on."""
-    device: str = "cuda"
-    target_bytes: int = 2  # target weights and activations (model.target.dtype)
-    transfer_bytes: int = 2  # features on the wire (transport.dtype)
-    drafter_compute: int = 2  # drafter matmuls: bf16 under autocast on CUDA, fp32 on CPU
-    attention: str = "flex"  # drafter block attention path: flex | sdpa
-
-    @property
-    def autocast(self) -> bool:
-        return self.drafter_compute != 4
-
-    @classmethod
-    def from_config(cls, cfg: Config, device: str = "cuda", attention: str | None = None) -> "Precision":
-        size = {"float32": 4, "bfloat16": 2, "float16": 2}
-        auto = 2 if device == "cuda" else 4
-        tb = auto if cfg.model.target.dtype == "auto" else size[cfg.model.target.dtype]
-        xb = tb if cfg.transport.dtype == "auto" else size[cfg.transport.dtype]
-        return cls(device=device, target_bytes=tb, transfer_bytes=xb, drafter_compute=auto,
-                   attention=attention or ("flex" if device == "cuda" else "sdpa"))
 
 
 @dataclass
@@ -316,45 +261,6 @@ def sdpa_call_bytes(s: ModelShapes, p: Precision, worst: BatchShape, chunk: int)
     return worst_bytes
 
 
-def dflash2_params(s: ModelShapes, cfg: Config) -> int:
-    """DFlash 2's parameters beyond the DFlash drafter's (models/dflash2.py), 0 for a DFlash run: per
-    layer two convolutions, each a base kernel (2, taps, H) and a projection H -> 2 x taps x H / group;
-    the selector's two codebooks (V x R each) and its hidden projection (R x H)."""
-    d = cfg.model.draft
-    if d.variant != "dflash2":
-        return 0
-    H, taps = s.hidden, d.conv_kernel_size
-    conv = 2 * taps * H + H * 2 * taps * (H // d.conv_group_size)
-    return s.draft_layers * 2 * conv + 2 * s.vocab * d.selector_rank + d.selector_rank * H
-
-
-def dspark_params(s: ModelShapes, cfg: Config) -> int:
-    """DSpark's parameters beyond the DFlash drafter's (models/variants/dspark_heads.py), 0 for another
-    variant: the Markov head's W1 and W2 (V x r each: 77.8M at Qwen3-8B's V 151,936 and r 256) and the
-    confidence head's projection of [h; W1[prev]] (H + r, or H) and its bias."""
-    d = cfg.model.draft
-    if d.variant != "dspark":
-        return 0
-    r = d.markov_rank
-    conf = (s.hidden + (r if d.confidence_head_with_markov else 0) + 1) if d.enable_confidence_head else 0
-    return 2 * s.vocab * r + conf
-
-
-def domino_params(s: ModelShapes, cfg: Config) -> int:
-    """Domino's parameters beyond the DFlash drafter's (models/variants/domino_head.py), 0 for another
-    variant: the bias-free GRU's W_ih (3G x H) and W_hh (3G x G), the delta's W1 (E x (H + G)) and W2
-    (V x E: 38.9M at Qwen3-8B's V 151,936 and E 256)."""
-    d = cfg.model.draft
-    if d.variant != "domino":
-        return 0
-    G, E, H = d.gru_hidden_dim, d.domino_emb_dim, s.hidden
-    return 3 * G * (H + G) + E * (H + G) + s.vocab * E
-
-
-def draft_param_count(s: ModelShapes, cfg: Config) -> int:
-    return s.draft_params + dflash2_params(s, cfg) + dspark_params(s, cfg) + domino_params(s, cfg)
-
-
 def feature_blocks(s: ModelShapes, cfg: Config) -> int:
     """H-wide blocks of each token's features on the wire and on the drafter: the captured layers', and
     the target's final-normed last hidden state where `sends_final_hidden` says so (a variant that asks
@@ -371,66 +277,6 @@ def runs_whole_target(cfg: Config) -> bool:
     predictions as labels read its logits, the final state sent (`sends_final_hidden`) is its last state
     (training/capture.py)."""
     return target_label_width(cfg.objective.labels, cfg.objective.soft_top_k) > 0 or _sends_final(cfg)
-
-
-def dspark_loss_bytes(s: ModelShapes, p: Precision, cfg: Config, rows: int, labelled: int) -> tuple[int, int]:
-    """(saved, transient) bytes of DSpark's loss in one anchor chunk (0s for another variant): it keeps
-    the input gradients it computes in the forward (models/variants/dspark_loss.py), per labelled row one
-    of h (H, the compute dtype) and of W1[prev] (r, float32), and W2's (V x r, float32); each row chunk
-    holds two float32 (rows, V) buffers (the slot's softmax and the target's) beside the matmul's output."""
-    d = cfg.model.draft
-    if d.variant != "dspark":
-        return 0, 0
-    c, V, r = p.drafter_compute, s.vocab, d.markov_rank
-    return labelled * (c * s.hidden + 4 * r) + 4 * V * r, rows * V * (8 + (c if c != 4 else 0))
-
-
-def domino_loss_bytes(s: ModelShapes, p: Precision, cfg: Config, rows: int, block_rows: int) -> tuple[int, int]:
-    """(saved, transient) bytes of Domino's loss in one anchor chunk of `block_rows` rows (0s for another
-    variant; every row counted as labelled, as DSpark's): the GRU's autograd keeps per row and slot about
-    ten G-wide float32 tensors (the gates' inputs and outputs, the state); the delta keeps [h; s] (H + G),
-    W1's output and SiLU's (2E), float32; the loss keeps the input gradients it computes in the forward
-    (models/variants/domino_loss.py) of h (H, the compute dtype) and of the delta features (E, float32)
-    and W2's (V x E, float32); each row chunk holds two float32 (rows, V) buffers (the base logits' softmax
-    and the final's) beside the head matmul's output, four under target_full (p_t and a scratch too:
-    domino_loss._MixedDistill)."""
-    d = cfg.model.draft
-    if d.variant != "domino":
-        return 0, 0
-    c, V, G, E, H = p.drafter_compute, s.vocab, d.gru_hidden_dim, d.domino_emb_dim, s.hidden
-    saved = block_rows * (10 * 4 * G + 4 * (H + G + 2 * E) + c * H + 4 * E) + 4 * V * E
-    buffers = 4 if cfg.objective.labels == "target_full" else 2
-    return saved, rows * V * (4 * buffers + (c if c != 4 else 0))
-
-
-def dflash2_row_bytes(s: ModelShapes, p: Precision, cfg: Config) -> int:
-    """Saved bytes per block row per draft layer of DFlash 2's two convolutions (0 for DFlash). Per side
-    (before and after each sublayer) the products keep the float32 coefficients (taps x H: the float32
-    base kernel promotes them) and the shifted taps (taps - 1 rows, float32); per convolution the
-    projection keeps the normed input the sublayer's projections kept before (they now keep the
-    convolved rows), and side 1 keeps the sublayer's output."""
-    d = cfg.model.draft
-    if d.variant != "dflash2":
-        return 0
-    H, taps, c = s.hidden, d.conv_kernel_size, p.drafter_compute
-    side = 4 * taps * H + 4 * (taps - 1) * H
-    return 2 * (2 * side + 2 * c * H)
-
-
-def dflash2_selector_bytes(s: ModelShapes, cfg: Config, labelled: int, drafted: int) -> tuple[int, int]:
-    """(saved, transient) bytes of the selector term in one anchor chunk (0s for DFlash): the loss keeps,
-    per labelled row, the K successor-codebook rows (float32), the predecessor's row times the hidden
-    projection, the projection, the candidate ids and scores; the walk (no gradient, after the loss
-    chunks are freed) keeps every drafted row's projection and served candidates (ids, logits, scores)
-    and gathers one position's successor rows (K x R per block) at a time (`greedy_path`); the larger
-    transient is the loss's backward, the gradient of its K successor rows per labelled row."""
-    d = cfg.model.draft
-    if d.variant != "dflash2":
-        return 0, 0
-    K, Rk = d.selector_top_k, d.selector_rank
-    blocks = drafted // max(1, s.block_size - 1)
-    walk = drafted * (4 * Rk + 16 * K) + blocks * 4 * K * Rk
-    return labelled * (4 * K * Rk + 2 * 4 * Rk + 2 * 8 * K + 4 * K), max(walk, labelled * 4 * K * Rk)
 
 
 def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, worst: BatchShape, chunk: int,
@@ -467,7 +313,8 @@ def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, worst: BatchShape, 
     span = chunk_context_rows(worst, a)
     ctx = (context_row_bytes(s, p) + 2 * 4 * s.draft_head_dim) * span  # + the context rows' RoPE cos/sin
     attn_calls = sdpa_call_bytes(s, p, worst, a) if p.attention == "sdpa" else 0
-    per_layer = (row + dflash2_row_bytes(s, p, cfg)) * R + ctx + attn_calls
+    own = forecast_of(cfg)  # the variant's own modules (forecast/variants.py)
+    per_layer = (row + own.layer_row_bytes(s, p, cfg)) * R + ctx + attn_calls
     # After the layers: the embedding output (float32, the first layer's input), the final norm, the
     # loss's saved input gradient (rows with a label) and its index, block RoPE cos/sin.
     tail = R * (_norm_saved(H, 1, 4)) + (R - a) * (c * H + 8) + 2 * 4 * R * s.draft_head_dim
@@ -475,15 +322,12 @@ def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, worst: BatchShape, 
     # only the normalised rows for the weight's gradient, not the input and the rsqrt.
     tail -= R * (4 * H + 4)
     rows = min(cfg.objective.loss_rows, R)
-    sel_saved, sel_walk = dflash2_selector_bytes(s, cfg, R - a, R - a)
-    # DSpark drafts every slot (anchor as first) and its loss replaces the plain head's.
-    spark_saved, spark_chunk = dspark_loss_bytes(s, p, cfg, rows, R)
-    domino_saved, domino_chunk = domino_loss_bytes(s, p, cfg, rows, R)  # Domino's too (its GRU's, its head's)
-    tail += sel_saved + spark_saved + domino_saved
+    chunk_own = own.chunk_bytes(s, p, cfg, rows, R, a)
+    tail += chunk_own.saved
     # target_full (objective._distill_rows): the target's logits, the slot's and p_t, three float32 (rows, V),
     # and the gradient's cast to the compute dtype beside them (none in float32).
     full = cfg.objective.labels == "target_full"
-    loss_chunk = spark_chunk or domino_chunk or rows * V * ((12 if full else 4) + (c if c != 4 else 0))
+    loss_chunk = chunk_own.loss or rows * V * ((12 if full else 4) + (c if c != 4 else 0))
     loss_chunk += R * c * H if c != 4 else 0
     # Backward peaks at its start, before any saved tensor is freed: the hidden states' gradient (and its
     # float32 cast) and the final norm's float32 temporaries, about five (R, H) float32 in all (measured).
@@ -492,9 +336,9 @@ def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, worst: BatchShape, 
         # Each layer keeps only its input; backward recomputes one layer at a time, after the tail's
         # saves are gone. Two candidate peaks: the loss at the forward's end, a layer's recompute.
         kept = L * 4 * H * R
-        phases = (kept + tail, max(loss_chunk, sel_walk)), (kept + per_layer, backward)
+        phases = (kept + tail, max(loss_chunk, chunk_own.after)), (kept + per_layer, backward)
     else:
-        phases = (L * per_layer + tail, max(loss_chunk, sel_walk, backward)),
+        phases = (L * per_layer + tail, max(loss_chunk, chunk_own.after, backward)),
     saved, extra = max(phases, key=sum)
     t["activations"] = saved  # what autograd holds at the peak
     t["transient"] = extra  # the loss chunk or the backward's temporaries on top

@@ -330,6 +330,7 @@ def test_the_forecast_counts_dflash2_parameters_and_flops():
     and nothing for a DFlash run."""
     from dflash_dist.forecast import cost as C
     from dflash_dist.forecast import memory as M
+    from dflash_dist.forecast import variants as FV
     from dflash_dist.forecast.shapes import model_shapes
     base = ["model.draft.num_layers=2", "model.draft.selector_rank=16"]
     flops = {}
@@ -338,7 +339,7 @@ def test_the_forecast_counts_dflash2_parameters_and_flops():
         target = build_target(cfg, CPU)
         drafter = build_drafter(draft_spec(cfg, target), target, 0, CPU)
         shapes = model_shapes(cfg)
-        assert M.draft_param_count(shapes, cfg) == sum(p.numel() for p in drafter.parameters())
+        assert FV.draft_param_count(shapes, cfg) == sum(p.numel() for p in drafter.parameters())
         w = M.BatchShape(tokens=600, seqs=4, anchors=40, seq_lens=(150,) * 4, seq_anchors=(10,) * 4,
                          anchor_pos=tuple(range(5, 105, 10)) * 4)
         terms = C.drafter_terms(shapes, M.Precision(device="cpu"), cfg, w, 0).terms

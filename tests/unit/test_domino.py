@@ -342,6 +342,7 @@ def test_the_forecasts_count_the_gru_and_the_delta():
     G 1024, E 256) the head is 55.9M parameters, W2 38.9M of them."""
     from dflash_dist.forecast import cost as C
     from dflash_dist.forecast import memory as M
+    from dflash_dist.forecast import variants as FV
     from dflash_dist.forecast.shapes import model_shapes
     base = ["model.draft.num_layers=2", "model.draft.gru_hidden_dim=12", "model.draft.domino_emb_dim=8"]
     prec, terms, mem = M.Precision(device="cpu"), {}, {}
@@ -353,7 +354,7 @@ def test_the_forecasts_count_the_gru_and_the_delta():
         spec = draft_spec(cfg, target)
         drafter = build_drafter(spec, target, 0, CPU)
         shapes = model_shapes(cfg)
-        assert M.draft_param_count(shapes, cfg) == sum(p.numel() for p in drafter.parameters())
+        assert FV.draft_param_count(shapes, cfg) == sum(p.numel() for p in drafter.parameters())
         assert M.feature_blocks(shapes, cfg) * spec.hidden_size == packet_spec(cfg, spec, CPU).feat_dim
         assert not M.runs_whole_target(cfg)
         terms[variant] = C.drafter_terms(shapes, prec, cfg, w, 0).terms
@@ -365,8 +366,8 @@ def test_the_forecasts_count_the_gru_and_the_delta():
     # target_full: the target's final state on the wire, and two float32 (rows, V) more (p_t and a scratch)
     full = load_config(overrides=base + ["model.draft.variant=domino", "objective.labels=target_full"])
     assert M.feature_blocks(shapes, full) == M.feature_blocks(shapes, cfg) + 1 and M.runs_whole_target(full)
-    assert M.domino_loss_bytes(shapes, prec, full, 64, 400)[1] - M.domino_loss_bytes(shapes, prec, cfg, 64, 400)[1] \
-        == 2 * 4 * 64 * shapes.vocab
+    with_full, plain = (FV.forecast_of(cfg).chunk_bytes(shapes, prec, c, 64, 400, 80).loss for c in (full, cfg))
+    assert with_full - plain == 2 * 4 * 64 * shapes.vocab
     # its distillation runs on both logits while lambda is between 0 and 1: 1 + f passes a batch, DFlash's one
     dflash_full = load_config(overrides=base + ["objective.labels=target_full"])
     one = C.drafter_terms(shapes, prec, dflash_full, w, 0).terms["distill_loss"].amount
@@ -378,7 +379,7 @@ def test_the_forecasts_count_the_gru_and_the_delta():
     s8 = model_shapes(cfg8, "qwen3-8b")
     head = 3 * 1024 * (4096 + 1024) + 256 * (4096 + 1024) + 151936 * 256
     assert (round(head / 1e6, 1), round(151936 * 256 / 1e6, 1)) == (55.9, 38.9)
-    assert M.domino_params(s8, cfg8) == head
+    assert FV.forecast_of(cfg8).params(s8, cfg8) == head
 
 
 def test_acceptance_counts_the_served_drafts_only():

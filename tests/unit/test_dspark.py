@@ -202,6 +202,7 @@ def test_the_forecasts_count_the_heads_and_the_final_hidden_row(with_markov):
     and the second (rows, V) buffer. At Qwen3-8B (V 151,936, r 256) the Markov head is 77.8M parameters."""
     from dflash_dist.forecast import cost as C
     from dflash_dist.forecast import memory as M
+    from dflash_dist.forecast import variants as FV
     from dflash_dist.forecast.shapes import model_shapes
     base = ["model.draft.num_layers=2", "model.draft.markov_rank=8",
             f"model.draft.confidence_head_with_markov={str(with_markov).lower()}"]
@@ -214,7 +215,7 @@ def test_the_forecasts_count_the_heads_and_the_final_hidden_row(with_markov):
         spec = draft_spec(cfg, target)
         drafter = build_drafter(spec, target, 0, CPU)
         shapes = model_shapes(cfg)
-        assert M.draft_param_count(shapes, cfg) == sum(p.numel() for p in drafter.parameters())
+        assert FV.draft_param_count(shapes, cfg) == sum(p.numel() for p in drafter.parameters())
         assert M.feature_blocks(shapes, cfg) * spec.hidden_size == packet_spec(cfg, spec, CPU).feat_dim
         assert M.runs_whole_target(cfg) == (variant == "dspark")
         terms[variant] = C.drafter_terms(shapes, prec, cfg, w, 0).terms
@@ -229,4 +230,4 @@ def test_the_forecasts_count_the_heads_and_the_final_hidden_row(with_markov):
     s8 = model_shapes(cfg8, "qwen3-8b")
     markov = 2 * 151936 * 256
     assert round(markov / 1e6, 1) == 77.8
-    assert M.dspark_params(s8, cfg8) == markov + 4096 + 1  # the confidence head on h (the default)
+    assert FV.forecast_of(cfg8).params(s8, cfg8) == markov + 4096 + 1  # the confidence head on h (the default)

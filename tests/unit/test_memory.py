@@ -348,3 +348,15 @@ def test_colocated_ranks_with_a_split_target_are_refused_as_train_refuses_them(c
     assert BM.main(["--config", "configs/default.yaml", "roles.mode=colocated", "model.target.tensor_parallel=2"]) == 2
     assert ("config keys 'roles.mode' and 'model.target.tensor_parallel': colocated ranks each hold a whole target"
             in capsys.readouterr().err)
+
+
+def test_every_variant_has_its_forecast_terms():
+    """The forecasts ask each variant's own object (forecast/variants.py): one for every registered variant,
+    and nothing beyond the DFlash drafter's for DFlash itself."""
+    from dflash_dist.forecast.variants import FORECASTS, ChunkBytes, forecast_of
+    from dflash_dist.models.variants import VARIANTS
+    assert set(FORECASTS) == set(VARIANTS)
+    cfg = load_config()
+    s, own = model_shapes(cfg), forecast_of(cfg)
+    assert own.name == "dflash" and own.params(s, cfg) == 0 and own.cost_terms(s, cfg, 4, 64, 60.0, 4) == {}
+    assert own.chunk_bytes(s, M.Precision(device="cpu"), cfg, 64, 64, 4) == ChunkBytes(0, 0, 0)
