@@ -21,6 +21,7 @@ from dflash_dist.data.digest import dataset_digest
 from dflash_dist.models.export import export_drafter, write_model_card
 from dflash_dist.checkpoints.files import write_json
 from dflash_dist.models import attention
+from dflash_dist.models.variants import RunProgress, variant_of
 from dflash_dist.observe.monitor import Monitor, Progress, Sinks
 from dflash_dist.plan.epochs import BatchPlan, plan_shape
 from dflash_dist.training.setup import RunSetup
@@ -72,6 +73,7 @@ class NullReporter:
 class Reporter(NullReporter):
     def __init__(self, run: RunSetup, state: TrainState, total_steps: int):
         self.run, self.state, self.total_steps = run, state, total_steps
+        self.variant = variant_of(run.cfg.model.draft.variant)
         cfg, t = run.cfg, state.totals
         self.run_dir = Path(cfg.train.run_dir)
         p = self.progress = Progress(num_epochs=cfg.train.epochs, epoch_counts=list(run.epoch_counts))
@@ -174,8 +176,12 @@ class Reporter(NullReporter):
                           "step_seqs": s.seqs, "step_tokens": s.tokens, "loss": s.loss,
                           "acc": hits / labels if labels else float("nan"), "accept_len": p.accept_len,
                           "grad_norm": grad_norm, "lr": lr,
-                          # DFlash 2: acc and accept_len above follow the selector; the unary head's beside
-                          **s.selector_figures()}, console=False, remote=False)
+                          # DFlash 2, Domino: acc and accept_len above follow the drafts; the unary head's beside
+                          **s.head_figures(),
+                          # the step's place in a variant's schedule (Domino's lambda): t.steps counts it already
+                          **self.variant.step_figures(RunProgress(t.steps - 1, self.total_steps),
+                                                      self.run.cfg.objective)},
+                         console=False, remote=False)
 
     def epoch_end(self, sched: EpochSchedule, seconds: float) -> None:
         # The epoch's means, pooled over its steps in this process (a resumed epoch: those after the resume);

@@ -10,8 +10,8 @@ import torch
 
 # Scalar fields in pack order; the per-slot vectors follow.
 _SCALARS = ("loss_sum", "weight_sum", "tokens", "seqs", "accept_sum", "blocks", "batches", "wait_s", "compute_s",
-            "save_due", "unary_accept_sum", "selector_loss_sum", "selector_blocks")
-_COUNTS = {"tokens", "seqs", "blocks", "batches", "save_due", "selector_blocks"}  # integers; the rest sums of floats
+            "save_due", "unary_accept_sum", "unary_blocks", "selector_loss_sum", "selector_blocks")
+_COUNTS = {"tokens", "seqs", "blocks", "batches", "save_due", "unary_blocks", "selector_blocks"}  # the rest: float sums
 _VECTORS = ("correct", "valid", "unary_correct", "topk_hits")  # one value per block slot each
 
 
@@ -28,14 +28,16 @@ class StepStats:
     wait_s: float = 0.0  # cumulative seconds this drafter waited for packets (summed over drafters)
     compute_s: float = 0.0  # cumulative seconds of drafter compute
     save_due: int = 0  # rank 0: a periodic checkpoint is due after this step (every drafter gathers for it)
-    # DFlash 2 (models/variants/dflash2_loss.py): accept_sum and correct follow the selector's walk; the unary head's
-    # own figures, the selector term (before its weight) and the top-K's recall of the gold come beside.
+    # A variant whose drafts are not the plain LM head's argmax (DFlash 2: the selector's walk; Domino: the
+    # base logits plus its delta): accept_sum and correct follow its drafts, the unary head's own figures come
+    # beside; DFlash 2's selector term (before its weight) and its top-K's recall of the gold too.
     unary_accept_sum: float | torch.Tensor = 0.0
+    unary_blocks: int = 0  # blocks the unary figures count (0: a DFlash run)
     selector_loss_sum: float | torch.Tensor = 0.0
     selector_blocks: int = 0  # blocks the selector drafted (0: a DFlash run)
     correct: torch.Tensor = field(default=None)  # (B,) hits per block slot
     valid: torch.Tensor = field(default=None)  # (B,) trained labels per slot
-    unary_correct: torch.Tensor = field(default=None)  # (B,) hits of the unary argmax (DFlash 2)
+    unary_correct: torch.Tensor = field(default=None)  # (B,) hits of the unary argmax (DFlash 2, Domino)
     topk_hits: torch.Tensor = field(default=None)  # (B,) trained labels inside the unary top-K (DFlash 2)
 
     def __post_init__(self) -> None:
@@ -48,9 +50,12 @@ class StepStats:
         self.loss_sum, self.weight_sum = m.loss_sum, m.weight_sum
         self.accept_sum, self.blocks = m.accept_sum, m.num_blocks
         self.correct, self.valid = m.correct, m.valid
+        if m.unary_correct is not None:
+            self.unary_accept_sum, self.unary_correct = m.unary_accept_sum, m.unary_correct
+            self.unary_blocks = m.num_blocks
         if m.selector_loss_sum is not None:
-            self.unary_accept_sum, self.selector_loss_sum = m.unary_accept_sum, m.selector_loss_sum
-            self.unary_correct, self.topk_hits, self.selector_blocks = m.unary_correct, m.topk_hits, m.num_blocks
+            self.selector_loss_sum, self.topk_hits = m.selector_loss_sum, m.topk_hits
+            self.selector_blocks = m.num_blocks
 
     def pack(self, device) -> torch.Tensor:
         """One float64 tensor on `device`. Fields may be device tensors (the step's metrics): they are
@@ -80,16 +85,20 @@ class StepStats:
         first = drafting_slots(self.valid)
         return (self.correct[first:] / self.valid[first:].clamp(min=1)).tolist()
 
-    def selector_figures(self) -> dict:
-        """A DFlash 2 step's unary-head figures beside the selector's (empty for DFlash): `unary_acc`,
-        `unary_accept_len`, `topk_recall` (trained labels in the unary top-K), `selector_loss`."""
-        if not self.selector_blocks:
-            return {}
-        labels = float(self.valid[1:].sum())
-        ratio = (lambda x: float(x[1:].sum()) / labels) if labels else (lambda x: float("nan"))
-        return {"unary_acc": ratio(self.unary_correct), "unary_accept_len": self.unary_accept_sum / self.selector_blocks,
-                "topk_recall": ratio(self.topk_hits),
-                "selector_loss": self.selector_loss_sum / self.weight_sum if self.weight_sum > 0 else float("nan")}
+    def head_figures(self) -> dict:
+        """The unary head's figures beside the drafts' where they differ (empty for DFlash and DSpark):
+        `unary_acc`, `unary_accept_len`; DFlash 2's `topk_recall` (trained labels in the unary top-K) and
+        `selector_loss` too."""
+        first = drafting_slots(self.valid)
+        labels = float(self.valid[first:].sum())
+        ratio = (lambda x: float(x[first:].sum()) / labels) if labels else (lambda x: float("nan"))
+        out = {}
+        if self.unary_blocks:
+            out.update(unary_acc=ratio(self.unary_correct), unary_accept_len=self.unary_accept_sum / self.unary_blocks)
+        if self.selector_blocks:
+            out.update(topk_recall=ratio(self.topk_hits),
+                       selector_loss=self.selector_loss_sum / self.weight_sum if self.weight_sum > 0 else float("nan"))
+        return out
 
 
 def drafting_slots(valid) -> int:

@@ -13,6 +13,9 @@ from safetensors.torch import load_file
 
 from helpers import TINY, final_digest, interrupt, metrics, torchrun
 
+from dflash_dist.config import ObjectiveConfig
+from dflash_dist.models.variants.domino_loss import domino_lambda
+
 pytestmark = pytest.mark.slow  # whole runs under torchrun
 
 JOB = ["model.draft.variant=domino", "model.draft.gru_hidden_dim=32", "model.draft.domino_emb_dim=16",
@@ -29,6 +32,13 @@ def test_a_domino_run_trains_exports_evaluates_and_resumes(tmp_path):
     assert len(summary["acc_per_position"]) == 16  # every slot drafts, the first one included
     steps = [r for r in metrics(whole) if r.get("kind") == "step"]
     assert steps[-1]["loss"] < steps[0]["loss"]
+    # each step's record: its lambda (1 at the first step, the schedule over the run's exact total) and the
+    # base logits' figures as the unary head's beside the drafts'
+    fraction = ObjectiveConfig().domino_lambda_fraction
+    assert [r["domino_lambda"] for r in steps] == pytest.approx([domino_lambda(i, len(steps), fraction)
+                                                                 for i in range(len(steps))])
+    assert steps[0]["domino_lambda"] == 1.0
+    assert all({"unary_acc", "unary_accept_len"} <= r.keys() and "topk_recall" not in r for r in steps)
     conf = json.loads((whole / "export" / "config.json").read_text())
     assert conf["architectures"] == ["DFlashDraftModel"] and conf["dflash_config"]["projector_type"] == "domino"
     tensors = load_file(str(whole / "export" / "model.safetensors"))

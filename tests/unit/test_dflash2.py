@@ -314,14 +314,14 @@ def test_bad_dflash2_keys_name_the_key():
 
 def test_step_stats_carry_the_unary_figures_beside_the_selectors():
     s = StepStats(block_size=3, loss_sum=5.0, weight_sum=2.0, accept_sum=7.0, blocks=4, unary_accept_sum=6.0,
-                  selector_loss_sum=1.0, selector_blocks=4, correct=torch.tensor([0.0, 3, 2]),
+                  unary_blocks=4, selector_loss_sum=1.0, selector_blocks=4, correct=torch.tensor([0.0, 3, 2]),
                   valid=torch.tensor([0.0, 4, 4]), unary_correct=torch.tensor([0.0, 2, 1]),
                   topk_hits=torch.tensor([0.0, 4, 3]))
     back = StepStats.unpack(s.pack(CPU), 3)
     assert back.accuracy() == [0.75, 0.5]
-    assert back.selector_figures() == {"unary_acc": 3 / 8, "unary_accept_len": 1.5, "topk_recall": 7 / 8,
-                                       "selector_loss": 0.5}
-    assert StepStats.unpack(StepStats(block_size=3).pack(CPU), 3).selector_figures() == {}
+    assert back.head_figures() == {"unary_acc": 3 / 8, "unary_accept_len": 1.5, "topk_recall": 7 / 8,
+                                   "selector_loss": 0.5}
+    assert StepStats.unpack(StepStats(block_size=3).pack(CPU), 3).head_figures() == {}
 
 
 def test_the_forecast_counts_dflash2_parameters_and_flops():

@@ -120,7 +120,8 @@ def domino_step(model, data, feats, anchors, anchor_cu, progress=RunProgress(), 
 
 def reference(model, data, feats, anchors, anchor_cu, lam, gamma=7.0, full=None):
     """(d) The plain loss: whole logits (A, B, V) of the base head and the oracle's final head, both
-    cross-entropies written out, weighted and summed over the trained slots. With `full` ((KL weight, L1
+    cross-entropies written out, weighted and summed over the trained slots; the final and the base
+    logits' hits and accepted lengths. With `full` ((KL weight, L1
     weight): target_full) each cross-entropy is instead oracles.full_distill_loss against the whole
     softmax(lm_head(last[anchor + k])), `last` the features' final H columns, and the hits count against
     the target's top-1."""
@@ -143,9 +144,12 @@ def reference(model, data, feats, anchors, anchor_cu, lam, gamma=7.0, full=None)
         base, _, _ = full_distill_loss(b, teacher, labels, weights, *full)
         loss = (1 - lam) * final + lam * base
     valid = labels >= 0
-    hit = (z.argmax(-1) == counted) & valid
-    served = hit[:, :-1]  # SGLang proposes slots 0..B-2: the accepted run ends there
-    return loss, weights.sum(), hit.sum(0), float((torch.cumprod(served.long(), 1).sum(1) + 1).sum())
+
+    def figures(logits):  # (hits per slot, the served drafts' accepted length summed over blocks)
+        hit = (logits.argmax(-1) == counted) & valid
+        served = hit[:, :-1]  # SGLang proposes slots 0..B-2: the accepted run ends there
+        return hit.sum(0), float((torch.cumprod(served.long(), 1).sum(1) + 1).sum())
+    return (loss, weights.sum(), *figures(z), *figures(b))
 
 
 @pytest.mark.parametrize("anchor_chunk, loss_rows, step, total", [(0, 8192, 3, 10), (4, 3, 3, 10), (1, 5, 0, 10),
@@ -157,7 +161,7 @@ def test_domino_step_equals_the_plain_reference(batch, anchor_chunk, loss_rows, 
     lam = domino_lambda(step, total, 1.0)
     model = make_model()
     names, params = zip(*model.named_parameters())
-    loss, wsum, hits, accept = reference(model, data, feats, anchors, anchor_cu, lam)
+    loss, wsum, hits, accept, base_hits, base_accept = reference(model, data, feats, anchors, anchor_cu, lam)
     want = dict(zip(names, torch.autograd.grad(loss / wsum, params, allow_unused=True)))
     m = domino_step(model, data, feats, anchors, anchor_cu, RunProgress(step, total), anchor_chunk=anchor_chunk,
                     loss_rows=loss_rows)
@@ -169,6 +173,8 @@ def test_domino_step_equals_the_plain_reference(batch, anchor_chunk, loss_rows, 
     assert float(m.loss_sum) == pytest.approx(float(loss.detach()), rel=1e-5)
     assert float(m.weight_sum) == pytest.approx(float(wsum), rel=1e-6)
     assert m.correct.tolist() == hits.tolist() and float(m.accept_sum) == pytest.approx(accept)
+    # the base logits' (the plain head's) figures beside, as the unary head's
+    assert m.unary_correct.tolist() == base_hits.tolist() and float(m.unary_accept_sum) == pytest.approx(base_accept)
 
 
 def full_batch(batch):
@@ -190,7 +196,8 @@ def test_target_full_step_equals_the_plain_full_vocabulary_reference(batch, anch
     lam = domino_lambda(step, total, 1.0)
     model = make_model()
     names, params = zip(*model.named_parameters())
-    loss, wsum, hits, accept = reference(model, data, feats, anchors, anchor_cu, lam, full=(kl, l1))
+    loss, wsum, hits, accept, base_hits, base_accept = reference(model, data, feats, anchors, anchor_cu, lam,
+                                                                 full=(kl, l1))
     want = dict(zip(names, torch.autograd.grad(loss / wsum, params, allow_unused=True)))
     data_hits = reference(model, data, feats[:, :-H], anchors, anchor_cu, lam)[2]
     assert hits.tolist() != data_hits.tolist()  # the counted labels are the target's, not the data's
@@ -205,6 +212,8 @@ def test_target_full_step_equals_the_plain_full_vocabulary_reference(batch, anch
     assert float(m.loss_sum) == pytest.approx(float(loss.detach()), rel=1e-5)
     assert float(m.weight_sum) == pytest.approx(float(wsum), rel=1e-6)
     assert m.correct.tolist() == hits.tolist() and float(m.accept_sum) == pytest.approx(accept)
+    # the base logits' (the plain head's) figures beside, as the unary head's
+    assert m.unary_correct.tolist() == base_hits.tolist() and float(m.unary_accept_sum) == pytest.approx(base_accept)
 
 
 def test_target_full_trains_nothing_when_the_drafter_is_the_target(batch):
@@ -216,10 +225,10 @@ def test_target_full_trains_nothing_when_the_drafter_is_the_target(batch):
     h = last.clone().requires_grad_()
     a = torch.randn(9, E, requires_grad=True)
     w2 = torch.zeros(V, E, requires_grad=True)
-    loss, pred, top1 = _MixedDistill.apply(h, a, w2, head, last, torch.rand(9) + 0.5, 4, 0.3, 1.0, 1.0, True)
+    loss, pred, base, top1 = _MixedDistill.apply(h, a, w2, head, last, torch.rand(9) + 0.5, 4, 0.3, 1.0, 1.0, True)
     grads = torch.autograd.grad(loss, (h, a, w2))
     assert abs(float(loss.detach())) < 1e-5 and all(float(g.abs().max()) < 1e-5 for g in grads)
-    assert torch.equal(pred, top1) and torch.equal(top1, (last @ head.T).argmax(-1))
+    assert torch.equal(pred, top1) and torch.equal(base, top1) and torch.equal(top1, (last @ head.T).argmax(-1))
 
 
 def test_lambda_moves_the_gradient_between_the_heads(batch):

@@ -10,7 +10,7 @@ def test_pack_and_unpack_round_trip_with_tensor_and_number_fields():
                   accept_sum=torch.tensor(7.0), blocks=4, batches=1, wait_s=0.25, compute_s=1.5, save_due=1,
                   correct=torch.tensor([0, 3, 2, 1]), valid=torch.tensor([0, 4, 4, 2]))
     t = s.pack(torch.device("cpu"))
-    assert t.dtype == torch.float64 and t.shape == (13 + 4 * 4,)  # 13 scalars, 4 per-slot vectors (DFlash 2: 2)
+    assert t.dtype == torch.float64 and t.shape == (14 + 4 * 4,)  # 14 scalars, 4 per-slot vectors (DFlash 2, Domino: 2)
     # What an all-reduce over two drafters with the same stats gives.
     u = StepStats.unpack(t * 2, 4)
     assert (u.loss_sum, u.weight_sum, u.tokens, u.seqs, u.accept_sum, u.blocks, u.batches) == (5.0, 10.0, 600, 6, 14.0,

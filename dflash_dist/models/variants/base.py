@@ -118,6 +118,11 @@ class Variant:
         are the unary loss's (`lm_head_loss`), `top` its `HeadTopK` (with `loss_top_k` > 0)."""
         return loss_sum, metrics
 
+    def step_figures(self, progress: RunProgress, objective) -> dict:
+        """This variant's own figures of the training step at `progress` (its schedule's values: Domino's
+        lambda), added to metrics.jsonl's step record."""
+        return {}
+
     # -- decoding -----------------------------------------------------------------------------------
     @torch.no_grad()
     def block_tokens(self, model, hidden: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:

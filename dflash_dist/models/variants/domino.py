@@ -24,7 +24,7 @@ from dataclasses import replace
 
 import torch
 
-from dflash_dist.models.variants.base import LossChunk, Variant
+from dflash_dist.models.variants.base import LossChunk, RunProgress, Variant
 from dflash_dist.models.variants.domino_head import domino_heads, domino_rollout
 from dflash_dist.models.variants.domino_loss import DominoOptions, domino_lambda, domino_term
 from dflash_dist.models.variants.dspark_loss import slot_metrics
@@ -79,11 +79,17 @@ class Domino(Variant):
         """The whole loss (`domino_loss.py`) at this step's lambda: the two cross-entropies, or under
         target_full (`chunk.full`) the two distillations of the target's distribution; acc follows the
         final logits (what decoding drafts) at every trained slot against the data's tokens or the
-        target's top-1, acceptance the served drafts' (slots 0..B-2)."""
+        target's top-1, acceptance the served drafts' (slots 0..B-2); the base logits' (the plain LM
+        head's, what lambda weighs) figures come beside them as the unary head's."""
         lam = domino_lambda(chunk.progress.step, chunk.progress.total, options.lambda_fraction)
-        loss, pred, counted = domino_term(model, hidden, chunk, lam)
+        loss, pred, base, counted = domino_term(model, hidden, chunk, lam)
         correct, accept_sum = served_metrics(pred, counted)
-        return loss, replace(metrics, loss_sum=loss.detach(), correct=correct, accept_sum=accept_sum)
+        base_correct, base_accept_sum = served_metrics(base, counted)
+        return loss, replace(metrics, loss_sum=loss.detach(), correct=correct, accept_sum=accept_sum,
+                             unary_correct=base_correct, unary_accept_sum=base_accept_sum)
+
+    def step_figures(self, progress: RunProgress, objective) -> dict:
+        return {"domino_lambda": domino_lambda(progress.step, progress.total, objective.domino_lambda_fraction)}
 
     @torch.no_grad()
     def block_tokens(self, model, hidden, anchor_ids):

@@ -59,7 +59,7 @@ def domino_lambda(step: int, total: int, fraction: float) -> float:
 
 class _MixedCE(torch.autograd.Function):
     """sum_r w_r * ((1 - lam) * ce(b_r + a_r . W2) + lam * ce(b_r)) over the selected rows, `rows` rows of
-    logits at a time, with each row's final argmax (non-differentiable). Gradients, computed in the forward
+    logits at a time, with each row's final and base argmax (non-differentiable). Gradients, computed in the forward
     chunk by chunk: d/db = w * ((1 - lam) * p + lam * p_b - onehot), d/d(delta) = w * (1 - lam) * (p - onehot),
     p and p_b the softmaxes of the final and the base logits."""
 
@@ -67,7 +67,7 @@ class _MixedCE(torch.autograd.Function):
     def forward(ctx, h, a, w2, head_w, labels, wts, rows: int, lam: float, need_grad: bool):
         n = h.shape[0]
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
-        pred = torch.empty(n, dtype=torch.long, device=h.device)
+        pred, base = (torch.empty(n, dtype=torch.long, device=h.device) for _ in range(2))
         if need_grad:
             gh, ga, gw2 = torch.empty_like(h), torch.empty_like(a), torch.zeros_like(w2)
         for i in range(0, n, rows):
@@ -75,7 +75,7 @@ class _MixedCE(torch.autograd.Function):
             lab, w, ak = labels[i:j, None], wts[i:j], a[i:j]
             pb = (h[i:j] @ head_w.T).float()  # base logits b
             p = torch.addmm(pb, ak, w2.T)  # final logits z = b + delta
-            pred[i:j] = p.argmax(-1)
+            pred[i:j], base[i:j] = p.argmax(-1), pb.argmax(-1)
             ce = torch.zeros_like(w)
             for q, share in ((p, 1.0 - lam), (pb, lam)):
                 at, top = q.gather(1, lab)[:, 0], q.max(-1).values
@@ -90,13 +90,13 @@ class _MixedCE(torch.autograd.Function):
                 gb = pb.scatter_add_(1, lab, minus_one).mul_((w * lam)[:, None]).add_(g)  # d/db
                 gh[i:j], ga[i:j] = gb.to(head_w.dtype) @ head_w, g @ w2
                 gw2.addmm_(g.T, ak)
-        ctx.mark_non_differentiable(pred)
+        ctx.mark_non_differentiable(pred, base)
         if need_grad:
             ctx.save_for_backward(gh, ga, gw2)
-        return loss, pred
+        return loss, pred, base
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_pred):
+    def backward(ctx, grad_loss, _grad_pred, _grad_base):
         gh, ga, gw2 = ctx.saved_tensors
         return gh * grad_loss, ga * grad_loss, gw2 * grad_loss, *([None] * 6)
 
@@ -132,8 +132,8 @@ def _distill_in_place(z, p_t, neg_entropy, kl_w: float, l1_w: float, scratch, ne
 class _MixedDistill(torch.autograd.Function):
     """target_full: sum_r w_r * ((1 - lam) * D(b_r + a_r . W2) + lam * D(b_r)) over the selected rows
     (D: `_distill_in_place`), `rows` rows at a time, each chunk's p_t computed once from the target's
-    final states `last` (rows, H) and shared by both terms; with each row's final argmax and the target's
-    top-1 (non-differentiable). Gradients in the forward: d/d(delta) = w (1 - lam) D'(z), d/db = that +
+    final states `last` (rows, H) and shared by both terms; with each row's final and base argmax and the
+    target's top-1 (non-differentiable). Gradients in the forward: d/d(delta) = w (1 - lam) D'(z), d/db = that +
     w lam D'(b). A term whose share is 0 (lambda 0 or 1, the schedule's ends) is not computed."""
 
     @staticmethod
@@ -141,8 +141,7 @@ class _MixedDistill(torch.autograd.Function):
                 need_grad: bool):
         n = h.shape[0]
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
-        pred = torch.empty(n, dtype=torch.long, device=h.device)
-        top1 = torch.empty(n, dtype=torch.long, device=h.device)
+        pred, base, top1 = (torch.empty(n, dtype=torch.long, device=h.device) for _ in range(3))
         if need_grad:
             gh, ga, gw2 = torch.empty_like(h), torch.empty_like(a), torch.zeros_like(w2)
         for i in range(0, n, rows):
@@ -156,7 +155,7 @@ class _MixedDistill(torch.autograd.Function):
             p_t = t.exp_()
             pb = (h[i:j] @ head_w.T).float()  # base logits b
             z = torch.addmm(pb, ak, w2.T)  # final logits b + delta
-            pred[i:j] = z.argmax(-1)
+            pred[i:j], base[i:j] = z.argmax(-1), pb.argmax(-1)
             term = torch.zeros_like(w)
             for buf, share in ((z, 1.0 - lam), (pb, lam)):
                 if share:
@@ -167,21 +166,21 @@ class _MixedDistill(torch.autograd.Function):
                 gb = g if lam == 0.0 else pb.mul_((w * lam)[:, None]).add_(g)  # d/db
                 gh[i:j], ga[i:j] = gb.to(head_w.dtype) @ head_w, g @ w2
                 gw2.addmm_(g.T, ak)
-        ctx.mark_non_differentiable(pred, top1)
+        ctx.mark_non_differentiable(pred, base, top1)
         if need_grad:
             ctx.save_for_backward(gh, ga, gw2)
-        return loss, pred, top1
+        return loss, pred, base, top1
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_pred, _grad_top1):
+    def backward(ctx, grad_loss, _grad_pred, _grad_base, _grad_top1):
         gh, ga, gw2 = ctx.saved_tensors
         return gh * grad_loss, ga * grad_loss, gw2 * grad_loss, *([None] * 8)
 
 
 def domino_term(model, hidden: torch.Tensor, chunk, lam: float):
-    """(sum of w * loss, differentiable; pred (A, B) the final argmax at labelled slots, -1 elsewhere;
-    the labels the metrics count: the data's, or the target's top-1 under target_full, which is also
-    written to `chunk.full.top1`)."""
+    """(sum of w * loss, differentiable; pred and base (A, B) the final and the base logits' argmax at
+    labelled slots, -1 elsewhere; the labels the metrics count: the data's, or the target's top-1 under
+    target_full, which is also written to `chunk.full.top1`)."""
     head_w = model.lm_head.weight
     A, B, H = hidden.shape
     sel = torch.nonzero(chunk.labels.reshape(-1) >= 0).squeeze(1)
@@ -196,14 +195,15 @@ def domino_term(model, hidden: torch.Tensor, chunk, lam: float):
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (h, a, w2))
     full = chunk.full
     if full is None:
-        loss, rows_pred = _MixedCE.apply(h, a, w2, head_w, labels, wts, chunk.rows, float(lam), need_grad)
+        loss, rows_pred, rows_base = _MixedCE.apply(h, a, w2, head_w, labels, wts, chunk.rows, float(lam), need_grad)
     else:  # the target's final state at each selected row's position (anchor + k), in the head's dtype
         last = full.last[full.pos.reshape(-1)[sel]].to(head_w.dtype)
-        loss, rows_pred, top1 = _MixedDistill.apply(h, a, w2, head_w, last, wts, chunk.rows, float(lam),
-                                                    float(full.kl_weight), float(full.l1_weight), need_grad)
+        loss, rows_pred, rows_base, top1 = _MixedDistill.apply(
+            h, a, w2, head_w, last, wts, chunk.rows, float(lam), float(full.kl_weight), float(full.l1_weight),
+            need_grad)
         counted = chunk.labels.clone()
         counted.view(-1)[sel] = top1
         full.top1 = counted
-    pred = torch.full((A * B,), -1, dtype=torch.long, device=hidden.device)
-    pred[sel] = rows_pred
-    return loss, pred.view(A, B), chunk.labels if full is None else full.top1
+    pred, base = (torch.full((A * B,), -1, dtype=torch.long, device=hidden.device) for _ in range(2))
+    pred[sel], base[sel] = rows_pred, rows_base
+    return loss, pred.view(A, B), base.view(A, B), chunk.labels if full is None else full.top1
