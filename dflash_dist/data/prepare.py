@@ -355,35 +355,11 @@ def prepare(tokenizer_dir: str, input_path: str, output_dir: str, opts: Options,
                         replies.update(payload[2])
                         kept += 1
                         continue
-                    skipped[reason] += 1
-                    if reason != "blank_line":
-                        level = logging.WARNING if skipped[reason] <= LOGGED_PER_REASON else logging.DEBUG
-                        log.log(level, "%s:%d: skipped (%s): %s", src, line_no, reason, payload)
-                        if skipped[reason] == LOGGED_PER_REASON:
-                            log.warning("further '%s' lines are logged at DEBUG level only", reason)
+                    _count_skip(skipped, reason, f"{src}:{line_no}", payload)
                 bar.update(block_bytes, lines=lines, kept=kept, skipped=lines - kept)
             if kept == 0:
                 raise ValueError(f"{src}: no usable sample in {lines} lines (skipped: {skipped})")
-            meta = {
-                "tokenizer": str(Path(tokenizer_dir).absolute()),
-                "tokenizer_name": getattr(tok, "name_or_path", ""),
-                "max_length": opts.max_length or None,
-                "skipped": skipped,
-                "replies": reply_notes(replies),
-                "made_by": {
-                    "tool": "dflash_dist.data.prepare",
-                    "input": str(src.absolute()),
-                    "input_lines": lines,
-                    "options": asdict(opts),
-                    "end_of_turn_marker": end_of_turn_marker(tok),
-                    "supervision": "assistant content + end-of-turn marker (none after a reply cut at its "
-                                   "token limit); generation prompt and trailing whitespace excluded; a reply's "
-                                   "token_ids replace its re-tokenized text" + (
-                                       "; <think> blocks and reasoning_content excluded" if opts.no_reasoning_loss
-                                       else ""),
-                    "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                },
-            }
+            meta = _meta(tok, tokenizer_dir, src, lines, opts, skipped, replies)
             writer.commit(meta)
     except BaseException:
         if pool is not None:
@@ -395,17 +371,58 @@ def prepare(tokenizer_dir: str, input_path: str, output_dir: str, opts: Options,
             pool.join()
     meta.update(num_samples=writer.num_samples, num_tokens=writer.num_tokens,
                 num_supervised_tokens=writer.num_supervised, vocab_size=writer.vocab_size)
+    _log_summary(meta, lines, time.monotonic() - t0)
+    return meta
+
+
+def _count_skip(skipped: dict[str, int], reason: str, where: str, why: Any) -> None:
+    """Count a skipped line by its reason; log the first LOGGED_PER_REASON of each reason (blank lines
+    are only counted), the rest at DEBUG."""
+    skipped[reason] += 1
+    if reason == "blank_line":
+        return
+    level = logging.WARNING if skipped[reason] <= LOGGED_PER_REASON else logging.DEBUG
+    log.log(level, "%s: skipped (%s): %s", where, reason, why)
+    if skipped[reason] == LOGGED_PER_REASON:
+        log.warning("further '%s' lines are logged at DEBUG level only", reason)
+
+
+def _meta(tok, tokenizer_dir: str, src: Path, lines: int, opts: Options, skipped: dict[str, int],
+          replies: Counter) -> dict[str, Any]:
+    """meta.json's record of how the data set was made (the writer adds its counts)."""
+    return {
+        "tokenizer": str(Path(tokenizer_dir).absolute()),
+        "tokenizer_name": getattr(tok, "name_or_path", ""),
+        "max_length": opts.max_length or None,
+        "skipped": skipped,
+        "replies": reply_notes(replies),
+        "made_by": {
+            "tool": "dflash_dist.data.prepare",
+            "input": str(src.absolute()),
+            "input_lines": lines,
+            "options": asdict(opts),
+            "end_of_turn_marker": end_of_turn_marker(tok),
+            "supervision": "assistant content + end-of-turn marker (none after a reply cut at its token limit); "
+                           "generation prompt and trailing whitespace excluded; a reply's token_ids replace its "
+                           "re-tokenized text" + ("; <think> blocks and reasoning_content excluded"
+                                                  if opts.no_reasoning_loss else ""),
+            "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        },
+    }
+
+
+def _log_summary(meta: dict[str, Any], lines: int, seconds: float) -> None:
+    r = meta["replies"]
     log.info("prepare: %d lines -> %d samples, %d tokens (%d supervised) in %.1f s; skipped %s; replies %s",
-             lines, kept, writer.num_tokens, writer.num_supervised, time.monotonic() - t0,
-             {k: v for k, v in skipped.items() if v}, meta["replies"])
-    if meta["replies"]["token_ids_retokenized"]:
+             lines, meta["num_samples"], meta["num_tokens"], meta["num_supervised_tokens"], seconds,
+             {k: v for k, v in meta["skipped"].items() if v}, r)
+    if r["token_ids_retokenized"]:
         log.warning("%d replies carry token_ids the chat template does not write verbatim (it rewrote the reply, "
                     "or the ids are another tokenizer's): their re-tokenized text was trained instead",
-                    meta["replies"]["token_ids_retokenized"])
-    if meta["replies"]["reasoning_content_not_rendered"]:
+                    r["token_ids_retokenized"])
+    if r["reasoning_content_not_rendered"]:
         log.warning("%d assistant turns have a reasoning_content the chat template did not render (not trained)",
-                    meta["replies"]["reasoning_content_not_rendered"])
-    return meta
+                    r["reasoning_content_not_rendered"])
 
 
 REPLY_NOTES = ("cut_replies", "token_ids.replies", "token_ids.same", "token_ids.spliced", "token_ids.retokenized",
