@@ -279,36 +279,11 @@ def runs_whole_target(cfg: Config) -> bool:
     return target_label_width(cfg.objective.labels, cfg.objective.soft_top_k) > 0 or _sends_final(cfg)
 
 
-def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, worst: BatchShape, chunk: int,
-                  sharding: Sharding = Sharding()) -> dict[str, float]:
-    """Peak bytes of a drafter rank by term for `worst` with `chunk` anchors per chunk (0 = all)."""
-    H, Q, K, I, h, hkv = _dims(s)
-    c, B, V, N = p.drafter_compute, s.block_size, s.vocab, worst.tokens
-    tb, xb = p.target_bytes, p.transfer_bytes
-    a = worst.anchors if chunk <= 0 else min(chunk, worst.anchors)
-    R = a * B
-    L = s.draft_layers
-    shard = sharding.drafters if sharding.fsdp else 1
-    P = draft_param_count(s, cfg)
-    nf = feature_blocks(s, cfg)
-    w = target_label_width(cfg.objective.labels, cfg.objective.soft_top_k)
-    meta = 8 * (2 * N + worst.seqs + 1 + w * N) + (4 * cfg.objective.soft_top_k * N if w > 1 else 0)
-    t: dict[str, float] = {
-        "params": 4 * P / shard,
-        "grads": 4 * P / shard,
-        "adamw": 8 * P / shard,
-        "ddp_buckets": 4 * P if sharding.ddp and not sharding.fsdp else 0,
-        # autocast's bf16 copies of the weights, kept by the matmuls for backward
-        "weight_casts": c * P if p.autocast else 0,
-        "embed_head": V * H * tb * (1 if s.tied else 2),
-        # The rest of the target, on the drafter ranks that hold it whole (`holds_whole_target`).
-        "whole_target": (s.target_params - V * H * (1 if s.tied else 2)) * tb if holds_whole_target(cfg) else 0,
-        "packets": cfg.transport.max_in_flight * (N * nf * H * xb + meta),
-        # fc output through hidden_norm (kept), the context (N, H) float32 and its gradient
-        "context": N * (_norm_saved(H, 1, c) + 8 * H),
-        # labels and weights for the batch, soft targets (probs float32, ids int64)
-        "labels": worst.anchors * B * (12 + (12 * cfg.objective.soft_top_k if w > 1 else 0)),
-    }
+def chunk_peak(s: ModelShapes, p: Precision, cfg: Config, worst: BatchShape, a: int) -> tuple[float, float]:
+    """(saved, transient) bytes at the peak of one chunk of `a` anchors of `worst`: what autograd holds
+    then (the draft layers' and the tail's saves), and the loss chunk or the backward's temporaries on top."""
+    H, c, V, L = s.hidden, p.drafter_compute, s.vocab, s.draft_layers
+    R = a * s.block_size
     row = block_row_bytes(s, p)
     span = chunk_context_rows(worst, a)
     ctx = (context_row_bytes(s, p) + 2 * 4 * s.draft_head_dim) * span  # + the context rows' RoPE cos/sin
@@ -339,9 +314,38 @@ def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, worst: BatchShape, 
         phases = (kept + tail, max(loss_chunk, chunk_own.after)), (kept + per_layer, backward)
     else:
         phases = (L * per_layer + tail, max(loss_chunk, chunk_own.after, backward)),
-    saved, extra = max(phases, key=sum)
-    t["activations"] = saved  # what autograd holds at the peak
-    t["transient"] = extra  # the loss chunk or the backward's temporaries on top
+    return max(phases, key=sum)
+
+
+def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, worst: BatchShape, chunk: int,
+                  sharding: Sharding = Sharding()) -> dict[str, float]:
+    """Peak bytes of a drafter rank by term for `worst` with `chunk` anchors per chunk (0 = all)."""
+    H, c, B, V, N = s.hidden, p.drafter_compute, s.block_size, s.vocab, worst.tokens
+    tb, xb = p.target_bytes, p.transfer_bytes
+    a = worst.anchors if chunk <= 0 else min(chunk, worst.anchors)
+    shard = sharding.drafters if sharding.fsdp else 1
+    P = draft_param_count(s, cfg)
+    nf = feature_blocks(s, cfg)
+    w = target_label_width(cfg.objective.labels, cfg.objective.soft_top_k)
+    meta = 8 * (2 * N + worst.seqs + 1 + w * N) + (4 * cfg.objective.soft_top_k * N if w > 1 else 0)
+    t: dict[str, float] = {
+        "params": 4 * P / shard,
+        "grads": 4 * P / shard,
+        "adamw": 8 * P / shard,
+        "ddp_buckets": 4 * P if sharding.ddp and not sharding.fsdp else 0,
+        # autocast's bf16 copies of the weights, kept by the matmuls for backward
+        "weight_casts": c * P if p.autocast else 0,
+        "embed_head": V * H * tb * (1 if s.tied else 2),
+        # The rest of the target, on the drafter ranks that hold it whole (`holds_whole_target`).
+        "whole_target": (s.target_params - V * H * (1 if s.tied else 2)) * tb if holds_whole_target(cfg) else 0,
+        "packets": cfg.transport.max_in_flight * (N * nf * H * xb + meta),
+        # fc output through hidden_norm (kept), the context (N, H) float32 and its gradient
+        "context": N * (_norm_saved(H, 1, c) + 8 * H),
+        # labels and weights for the batch, soft targets (probs float32, ids int64)
+        "labels": worst.anchors * B * (12 + (12 * cfg.objective.soft_top_k if w > 1 else 0)),
+    }
+    # what autograd holds at the peak, and the loss chunk or the backward's temporaries on top
+    t["activations"], t["transient"] = chunk_peak(s, p, cfg, worst, a)
     if p.device == "cuda":
         t["slack"] = SLACK * (t["activations"] + t["transient"] + t["context"] + t["packets"])
         t["cuda_reserved"] = CUDA_RESERVED
