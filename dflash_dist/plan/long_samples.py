@@ -28,7 +28,7 @@ teacher-forced accept length is counted up to the cut, as at any sample's end).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
@@ -46,7 +46,7 @@ class TruncatedDataset(TokenDataset):
     digest: the data is unchanged, the cut is the plan's)."""
     limit: int = 0
     source: TokenDataset | None = None
-    meta: dict | None = None  # the source's meta.json (preparation's skips)
+    meta: dict = field(default_factory=dict)  # the source's meta.json, if it has one (preparation's skips)
 
     @cached_property
     def ends(self) -> np.ndarray:
@@ -82,7 +82,7 @@ def run_dataset(ds: TokenDataset, cfg, context: int) -> TokenDataset:
     if cfg.plan.long_samples != "truncate" or not len(ds) or int(np.max(ds.lengths)) <= limit:
         return ds
     return TruncatedDataset(ds.tokens, ds.offsets, ds.loss_mask, ds.vocab_size, limit=limit, source=ds,
-                            meta=getattr(ds, "meta", None))
+                            meta=getattr(ds, "meta", None) or {})
 
 
 def figures(source_lengths, source_supervised, lengths, supervised, skip: dict, *, token_budget: int,
