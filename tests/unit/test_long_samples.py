@@ -124,6 +124,16 @@ def test_truncate_keeps_each_long_samples_first_tokens_and_counts_the_rest():
     check_skipped_share(f)  # nothing skipped: no refusal
 
 
+def test_the_view_keeps_the_preparations_record():
+    from dflash_dist.data.dataset import preparation_skips
+    from dflash_dist.data.disk import DiskDataset
+    ds = dataset(SPECS)
+    cfg = cfg_of("plan.token_budget=64", "plan.long_samples=truncate")
+    disk = DiskDataset(ds.tokens, ds.offsets, ds.loss_mask, ds.vocab_size, meta={"skipped": {"over_length": 3}})
+    assert preparation_skips(run_dataset(disk, cfg, 40960)) == {"over_length": 3}
+    assert preparation_skips(run_dataset(ds, cfg, 40960)) == {}
+
+
 def test_no_view_unless_truncate_cuts_something():
     ds = dataset(SPECS)
     assert run_dataset(ds, cfg_of("plan.token_budget=64"), context=40960) is ds
