@@ -87,3 +87,27 @@ def test_samples_past_the_targets_context_are_exit_2_and_truncate_stops_at_it(tm
     assert s["tokens"] == int(np.minimum(lengths, 64).sum()) and s["samples"] == 160
     assert s["plan_facts"]["truncate_limit"] == 64 and s["plan_facts"]["max_position_embeddings"] == 64
     assert s["plan_facts"]["truncated_samples"] == int((lengths > 64).sum())
+
+
+def test_a_truncated_run_stopped_mid_epoch_resumes_exactly(tmp_path):
+    """The cut is part of the plan, a pure function of (data, seed, epoch, budgets): SIGTERM mid-run, resume,
+    and the weights are bitwise those of the uninterrupted run."""
+    import signal
+
+    import helpers
+    job = ["train.epochs=2", "data.synthetic.regenerate=false", "data.synthetic.num_samples=400", "train.sync_every=2",
+           "plan.token_budget=64", "plan.long_samples=truncate"]
+    res = torchrun(3, job, tmp_path / "ref", timeout=240)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    reference = helpers.final_digest(tmp_path / "ref")
+    run = tmp_path / "run"
+    run.mkdir()
+    out, _, rc = helpers.interrupt(3, job, run, 6, lambda p: p.send_signal(signal.SIGTERM), 60)
+    assert rc != 0 and "stopped on request" in out, out[-3000:]
+    cursor = json.loads(sorted((run / "checkpoints").glob("step-*/meta.json"))[-1].read_text())["cursor"]
+    assert (cursor["epoch"], cursor["batch"]) != (2, 0), "the stop must land mid-run"
+    res = torchrun(3, job, run, timeout=240)
+    assert res.returncode == 0 and "resumed from" in res.stdout + res.stderr, (res.stdout + res.stderr)[-3000:]
+    assert helpers.final_digest(run) == reference
+    s = json.loads((run / "summary.json").read_text())
+    assert s["plan_facts"]["truncated_samples"] > 0 and sum(s["skipped"].values()) == 0
