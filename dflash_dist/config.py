@@ -164,6 +164,12 @@ class PlanConfig:
     max_seqs: int = num(64, ge=1)
     max_anchors: int = num(0, ge=0)  # 0 = no cap on anchors per batch
     packing: str = one_of("fill", "fill", "next_fit", "sorted")  # fill: next-fit of the long half, gaps filled with the short half; next_fit; sorted (plan/epochs.py)
+    # A sample longer than token_budget: skip (counted by the plan) or truncate (its first token_budget
+    # tokens, or the target's max_position_embeddings if fewer, are trained; counted). plan/long_samples.py.
+    long_samples: str = one_of("skip", "skip", "truncate")
+    # The share of the dataset's supervised tokens the plan may skip: more refuses the run at start (exit 2),
+    # any is a WARNING; both name the plan.token_budget that keeps every sample. 1 = never refuse.
+    max_skipped_share: float = num(0.05, ge=0, le=1)
 
 
 @dataclass

@@ -26,6 +26,8 @@ from dflash_dist.parallel.dist import DistContext, agree_on_failure, env_ranks, 
 from dflash_dist.observe.liveness import DONE, FAILED, Liveness
 from dflash_dist.models.build import build_target, draft_spec
 from dflash_dist.plan.epochs import check_trainable, count_epochs
+from dflash_dist.plan.long_samples import (check_context, check_skipped_share, plan_figures, report_truncation,
+                                           run_dataset)
 from dflash_dist.roles.reporter import evaluates
 from dflash_dist.training.setup import RoleResult, RunSetup
 from dflash_dist.checkpoints.runlock import RunLock, check_writable
@@ -61,7 +63,7 @@ def open_dataset(cfg: Config, target=None, device=None):
 
 def build(cfg: Config, ctx: DistContext, stop_flag: StopFlag, lock: RunLock) -> RunSetup:
     """Everything that can fail on bad input, on every rank, before any rank waits on another."""
-    count = None
+    count = facts = None
     try:
         if ctx.rank == 0:  # one run per run_dir; found unwritable before anything is computed
             check_writable(cfg.train.run_dir)
@@ -87,13 +89,13 @@ def build(cfg: Config, ctx: DistContext, stop_flag: StopFlag, lock: RunLock) -> 
         # A regenerated corpus is made once, by rank 0, while the others wait in the vote below; a
         # prepared dataset is opened (and validated) by every rank before the vote.
         later = not cfg.data.path and cfg.data.synthetic.regenerate and ctx.rank != 0
-        ds = None if later else open_dataset(cfg, target, ctx.device)
+        # Under plan.long_samples=truncate, cut alike on every rank (plan/long_samples.py).
+        ds = None if later else run_dataset(open_dataset(cfg, target, ctx.device), cfg, spec.max_position_embeddings)
         if ds is not None and ds.vocab_size > spec.vocab_size:
             raise ConfigError(f"dataset vocabulary {ds.vocab_size} exceeds the target's {spec.vocab_size}")
         resume_from, cursor = resolve_resume(cfg, ctx.layout, report=ctx.rank == 0)
         if ctx.rank == 0:  # rank 0 builds every plan; a mid-epoch resume must find the same one
-            count = count_epochs(ds, cfg)
-            check_trainable(count.counts, count.skipped, len(ds))
+            count, facts = count_plans(cfg, ds, spec)
             preflight(cfg, ctx, ds, count.plans)
             if resume_from is not None:
                 check_resume_data(read_meta(resume_from), resume_from, cfg, count.counts, count.digests,
@@ -104,13 +106,14 @@ def build(cfg: Config, ctx: DistContext, stop_flag: StopFlag, lock: RunLock) -> 
         failure = exc
     agree_on_failure(ctx, failure)  # raises ConfigError naming the first failing rank on every rank
     if ds is None:
-        ds = open_dataset(cfg, target, ctx.device)  # a cache hit (regenerated again where not shared)
+        # A cache hit (regenerated again where not shared), cut alike on every rank.
+        ds = run_dataset(open_dataset(cfg, target, ctx.device), cfg, spec.max_position_embeddings)
 
     counts = torch.zeros(cfg.train.epochs, dtype=torch.int64)
     if ctx.rank == 0:
         counts[:] = torch.tensor(count.counts)
-        log.info("dataset: %d samples, %d tokens; skipped by the plan (counted, never truncated): %s%s", len(ds),
-                 int(np.sum(ds.lengths)), count.skipped,
+        log.info("dataset: %d samples, %d tokens; skipped by the plan (counted; plan.long_samples=%s): %s%s", len(ds),
+                 int(np.sum(ds.lengths)), cfg.plan.long_samples, count.skipped,
                  f"; skipped when prepared: {prep}" if (prep := preparation_skips(ds)) else "")
         lay = ctx.layout
         log.info("layout: %d nodes x %d ranks, %d drafters %s, %d targets %s, backend %s", lay.num_nodes,
@@ -119,7 +122,22 @@ def build(cfg: Config, ctx: DistContext, stop_flag: StopFlag, lock: RunLock) -> 
     dist.broadcast(counts, src=0, group=ctx.ctrl_group)
     return RunSetup(cfg=cfg, ctx=ctx, target=target, spec=spec, dataset=ds, epoch_counts=tuple(counts.tolist()),
                     cursor=cursor, resume_from=resume_from, stop_flag=stop_flag,
-                    plan_digests=tuple(count.digests) if count else (), skipped=count.skipped if count else None)
+                    plan_digests=tuple(count.digests) if count else (), skipped=count.skipped if count else None,
+                    plan_facts=facts)
+
+
+def count_plans(cfg: Config, ds, spec):
+    """Rank 0: every epoch's plan counted, and the long samples weighed, before any rank waits: a sample past
+    the target's context, nothing to train, or more than plan.max_skipped_share of the supervised tokens
+    skipped is a ConfigError. Returns (PlanCount, the facts summary.json records as `plan_facts`)."""
+    facts = plan_figures(ds, cfg, spec.max_position_embeddings)
+    t = cfg.model.target
+    check_context(facts, cfg, f"{t.path}/config.json" if t.kind == "hf" else "the tiny target's")
+    count = count_epochs(ds, cfg)
+    check_trainable(count.counts, count.skipped, len(ds))
+    check_skipped_share(facts)
+    report_truncation(facts)
+    return count, facts
 
 
 def check_eval_bench(cfg: Config, target) -> None:

@@ -5,7 +5,9 @@ every supervised token but a supervised first one. A block may run past the samp
 carry no label). Each sequence gives min(candidates, objective.num_anchors) anchors, drawn at random
 (`training.objective.draw_anchors`); the plan, the dataset's counts and the forecast count with these.
 It holds for every variant's layout: DSpark's anchor-as-first slot 0 drafts p + 1 itself (slot k drafts
-p + k + 1, `training.objective.block_labels`), so its anchors need the same supervised next token."""
+p + k + 1, `training.objective.block_labels`), so its anchors need the same supervised next token. A sample cut by plan.long_samples=truncate is a
+shorter sample to this rule: its candidates are those of its kept tokens, and a block's slots past the
+cut carry no label, as past an end (plan/long_samples.py says why not the whole block before the cut)."""
 from __future__ import annotations
 
 import numpy as np

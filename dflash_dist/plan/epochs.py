@@ -61,7 +61,9 @@ class BatchPlan:
 def skipped_mask(lengths: np.ndarray, supervised: np.ndarray, token_budget: int,
                  anchorable: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Samples no batch can hold or train, by reason (the first that applies, in SKIP_REASONS order).
-    Reported, never truncated. Without `anchorable` no sample is found anchorless."""
+    Reported, never cut here: under plan.long_samples=truncate the plan is given the dataset already cut
+    (plan/long_samples.py), so no sample is over the budget by length. Without `anchorable` no sample is
+    found anchorless."""
     empty = lengths <= 0
     no_supervised = ~empty & (supervised <= 0)
     no_anchor = ~empty & ~no_supervised & (anchorable <= 0) if anchorable is not None else np.zeros_like(empty)
@@ -71,6 +73,21 @@ def skipped_mask(lengths: np.ndarray, supervised: np.ndarray, token_budget: int,
         "no_anchor": no_anchor,
         "over_budget": ~(empty | no_supervised | no_anchor) & (lengths > token_budget),
     }
+
+
+def plan_skips(lengths: np.ndarray, supervised: np.ndarray, token_budget: int, anchorable: np.ndarray | None = None,
+               max_anchors: int = 0, num_anchors: int = 0) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+    """(the samples every plan skips, by reason; anchors per sample when `max_anchors` caps them): `skipped_mask`
+    plus, under an anchor cap, the samples whose anchors alone exceed it (they would never fit a batch:
+    skipped with the over-budget ones). The same every epoch; the start-of-run checks weigh them too."""
+    skip = skipped_mask(lengths, supervised, token_budget, anchorable)
+    anchors = None
+    if max_anchors > 0:
+        # Without anchor positions, the supervised count bounds the anchors from above.
+        anchors = anchors_per_sample(supervised if anchorable is None else anchorable, num_anchors)
+        over = ~np.logical_or.reduce(list(skip.values())) & (anchors > max_anchors)
+        skip["over_budget"] = skip["over_budget"] | over
+    return skip, anchors
 
 
 def build_plan(lengths: np.ndarray, supervised: np.ndarray, *, seed: int, epoch: int, token_budget: int,
@@ -84,16 +101,8 @@ def build_plan(lengths: np.ndarray, supervised: np.ndarray, *, seed: int, epoch:
     supervised = np.asarray(supervised, dtype=np.int64)
     if anchorable is not None:
         anchorable = np.asarray(anchorable, dtype=np.int64)
-    skip = skipped_mask(lengths, supervised, token_budget, anchorable)
+    skip, anchors = plan_skips(lengths, supervised, token_budget, anchorable, max_anchors, num_anchors)
     keep = ~np.logical_or.reduce(list(skip.values()))
-    anchors = None
-    if max_anchors > 0:
-        # Without anchor positions, the supervised count bounds the anchors from above.
-        anchors = anchors_per_sample(supervised if anchorable is None else anchorable, num_anchors)
-        # A sample alone over the anchor cap would never fit: it is skipped with the over-budget ones.
-        over = keep & (anchors > max_anchors)
-        skip["over_budget"] = skip["over_budget"] | over
-        keep &= ~over
 
     gen = epoch_generator(seed, epoch)
     order = shuffled(np.flatnonzero(keep), gen)

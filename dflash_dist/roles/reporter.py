@@ -279,6 +279,7 @@ class Reporter(NullReporter):
             "planned_batches": list(run.epoch_counts),
             "plan_digests": list(run.plan_digests),  # every epoch's plan fingerprint, as each rank logs it
             "skipped": dict(run.skipped or {}), "skipped_in_preparation": preparation_skips(run.dataset),
+            "plan_facts": dict(run.plan_facts or {}),  # long samples skipped or cut (plan/long_samples.py)
             "checkpoint": str(checkpoint) if checkpoint else None, "export": str(exported) if exported else None,
             "weights_digest": digest,  # every drafter's, compared over the group before this is written
             "drafter_replicas_identical": identical, "wait_targets": wait_fraction(tw, tc), "wait_drafters": wait_fraction(dw, dc),

@@ -27,6 +27,7 @@ class RunSetup:
     stop_flag: StopFlag
     plan_digests: tuple[str, ...] = ()  # rank 0: every epoch's plan fingerprint, kept with each checkpoint
     skipped: dict | None = None  # rank 0: samples every plan skips, by reason
+    plan_facts: dict | None = None  # rank 0: long samples skipped or cut, and shares (plan.long_samples)
 
     def origin(self, epoch: int) -> int:
         """First batch of `epoch` this run trains."""
