@@ -179,7 +179,8 @@ class _Tally:
     sources: list[SourceCounts]
     skipped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SKIP_REASONS, 0))
     replies: Counter = field(default_factory=Counter)
-    seen: set = field(default_factory=set)
+    seen: set = field(default_factory=set)  # the keys of the conversations kept so far
+    held: set = field(default_factory=set)  # the keys of the held-out conversations: a copy is never trained
     heldout: list[str] = field(default_factory=list)  # heldout.jsonl's lines
     lines: int = 0
     kept: int = 0
@@ -190,19 +191,22 @@ def _sources(inputs: str | Source | list) -> list[Source]:
     return [s if isinstance(s, Source) else parse_source(str(s)) for s in items]
 
 
-def _pick_heldout(sources: list[Source], sel: Selection) -> set[tuple[int, str, int]]:
-    """The held-out (source, file, line) keys: --heldout of the lines a prompt file can replay, seeded. Read once
-    more for it (parsing only, no tokenizer), so the choice does not depend on how lines are tokenized."""
-    candidates = []
+def _pick_heldout(sources: list[Source], sel: Selection) -> tuple[set[tuple[int, str, int]], set[bytes]]:
+    """The held-out (source, file, line) places and their conversations' keys: --heldout of the distinct
+    conversations a prompt file can replay, seeded (a copy of a held-out conversation elsewhere is never
+    trained either). Read once more for it (parsing only, no tokenizer)."""
+    first: dict[bytes, tuple[int, str, int]] = {}
     for i, src in enumerate(sources):
         for file, line_no, raw in iter_records(src.path):
             try:
                 rec = read_record(raw)
             except Skip:
                 continue
-            if isinstance(rec, Conversation) and heldout_turns(rec.messages):
-                candidates.append((i, file, line_no))
-    return choose_heldout(candidates, sel.heldout, sel.seed)
+            key = conversation_key(rec.messages, rec.tools) if isinstance(rec, Conversation) else None
+            if key is not None and key not in first and heldout_turns(rec.messages):
+                first[key] = (i, file, line_no)
+    chosen = choose_heldout(list(first.values()), sel.heldout, sel.seed)
+    return chosen, {key for key, where in first.items() if where in chosen}
 
 
 def _items(sources: list[Source], sel: Selection, heldout: set, tally: _Tally, size: int) -> Iterator[list]:
@@ -244,9 +248,9 @@ def _take(tally: _Tally, writer: DatasetWriter, sel: Selection, src_i: int, wher
         return
     for r, why in payload.partial:
         _count_skip(tally.skipped, r, where, why, counts)
-    if payload.key in tally.seen:
+    if payload.key in tally.seen or payload.key in tally.held:
         counts.duplicates += 1
-        if sel.dedup:
+        if sel.dedup or payload.key in tally.held:
             return
     tally.seen.add(payload.key)
     tally.replies.update(payload.notes)
@@ -278,8 +282,8 @@ def prepare(tokenizer_dir: str, input_path: str | Source | list, output_dir: str
     if Path(output_dir).exists() and not overwrite:  # before the slow transformers import
         raise FileExistsError(f"{output_dir} already exists (pass --overwrite to replace it)")
     tok = load_tokenizer(tokenizer_dir, opts.chat_template)
-    heldout = _pick_heldout(sources, selection) if selection.heldout else set()
-    tally = _Tally([SourceCounts(s.path, s.weight) for s in sources])
+    heldout, held_keys = _pick_heldout(sources, selection) if selection.heldout else (set(), set())
+    tally = _Tally([SourceCounts(s.path, s.weight) for s in sources], held=held_keys)
     t0 = time.monotonic()
     init = (tokenizer_dir, opts)
     # fork: workers inherit the imported modules (importing transformers costs seconds per process)

@@ -197,9 +197,10 @@ def reasoning_field(text: str, start: int, end: int, message: dict) -> tuple[int
 def _char_masks(full: str, spans, messages: list[dict], opts: Options, eot: str,
                 notes: Counter) -> tuple[np.ndarray, np.ndarray]:
     """(supervised, reasoning): True on every supervised character of `full`, and on every character of a
-    rendered reasoning block or field inside a supervised turn."""
+    turn's reasoning text where the template rendered it (tags and whitespace around it not counted)."""
     char_mask = np.zeros(len(full) + 1, dtype=bool)  # +1: zero-width tokens at the very end read False
     reasoning = np.zeros(len(full) + 1, dtype=bool)
+    unmark = []  # --no-reasoning-loss: the <think> blocks (tags included) and the rendered reasoning
     for k, a, b in spans:
         m = messages[k]
         if m.get("finish_reason") == CUT:
@@ -215,10 +216,12 @@ def _char_masks(full: str, spans, messages: list[dict], opts: Options, eot: str,
                 notes["reasoning_left_out"] += 1
                 if (m.get("reasoning_content") or "").strip():
                     notes["reasoning_content_not_rendered"] += 1
-        for r0, r1 in reasoning_blocks(full, a, b) + ([field_] if field_ else []):
-            reasoning[r0:r1] = True
+        if field_:
+            reasoning[field_[0]:field_[1]] = True
+        unmark += reasoning_blocks(full, a, b) + ([field_] if field_ else [])
     if opts.no_reasoning_loss:
-        char_mask &= ~reasoning
+        for r0, r1 in unmark:
+            char_mask[r0:r1] = False
     return char_mask, reasoning
 
 
