@@ -33,7 +33,8 @@ MAGIC = [(b"PAR1", "a parquet file (name it .parquet to have it read)"),
          (b"\xfd7zXZ\x00", "an xz file (decompress it first: unxz)"),
          (b"SQLite format 3\x00", "an SQLite database"),
          (b"ARROW1", "an Arrow IPC file (give its `datasets` save_to_disk directory instead)"),
-         (b"\x93NUMPY", "a NumPy array file")]
+         (b"\x93NUMPY", "a NumPy array file"),
+         (b"\xff\xfe", "UTF-16 text (save it as UTF-8)"), (b"\xfe\xff", "UTF-16 text (save it as UTF-8)")]
 
 
 class InputError(ValueError):

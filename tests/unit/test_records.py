@@ -98,7 +98,8 @@ def _refused(tmp_path):
             "nul": (b'{"messages": []}\n\x00\x01\x02', "binary data"),
             "latin1": ('{"messages": "caf\xe9"}\n'.encode("latin-1"), "not UTF-8 text"),
             "array": (json.dumps(ROWS, indent=1).encode(), "a JSON array"),
-            "csv": (b"role,content\nuser,hi\n", "text that is not JSON")}
+            "csv": (b"role,content\nuser,hi\n", "text that is not JSON"),
+            "utf16": (json.dumps(ROWS[0]).encode("utf-16"), "UTF-16 text")}
 
 
 def test_a_file_that_is_not_jsonl_is_refused_before_its_first_record(tmp_path):
