@@ -112,3 +112,13 @@ def test_a_pre_tokenized_row_has_nothing_to_regenerate():
     with pytest.raises(Skip) as info:
         parse_line(1, b'{"input_ids": [1, 2], "loss_mask": [0, 1]}')
     assert info.value.reason == "pre_tokenized"
+
+
+def test_regeneration_refuses_a_file_that_is_not_jsonl(tmp_path):
+    from dflash_dist.data.regen.cli import check_paths
+    src = tmp_path / "chats.jsonl"
+    src.write_bytes(b"PAR1" + bytes(64))  # a parquet file under a .jsonl name
+    job = Job(input=src, output=tmp_path / "out.jsonl", sampling=Sampling(8),
+              engine=EngineSpec(name="hf", target=str(tmp_path), tokenizer=str(tmp_path)))
+    with pytest.raises(ValueError, match=r"chats\.jsonl:1: not a JSONL file: it looks like a parquet file"):
+        check_paths(job, overwrite=False)
