@@ -191,7 +191,8 @@ def test_a_pre_tokenized_row_is_read_as_given():
 
 
 @pytest.mark.parametrize("row", [{"input_ids": [5, 6]}, {"input_ids": [5, 6], "loss_mask": [1]},
-                                 {"input_ids": [5, -6], "loss_mask": [1, 1]}, {"input_ids": [5, 6], "loss_mask": [1, 2]},
+                                 {"input_ids": [5, -6], "loss_mask": [1, 1]},
+                                 {"input_ids": [5, 6], "loss_mask": [1, 2]},
                                  {"input_ids": [], "loss_mask": []}, {"input_ids": "56", "loss_mask": [1, 1]}])
 def test_a_malformed_pre_tokenized_row_is_bad_format(row):
     with pytest.raises(Skip) as info:
@@ -201,8 +202,8 @@ def test_a_malformed_pre_tokenized_row_is_bad_format(row):
 
 def test_rows_from_parquet_carry_nulls_for_absent_fields():
     """A parquet row holds every column of every message (null where a message has none): nulls lose nothing."""
-    row = {"messages": [{"role": "user", "content": "q", "tool_calls": None, "tool_call_id": None, "weight": None},
-                        {"role": "assistant", "content": "a", "tool_calls": None, "tool_call_id": None, "weight": None}],
+    absent = {"tool_calls": None, "tool_call_id": None, "weight": None}
+    row = {"messages": [{"role": "user", "content": "q", **absent}, {"role": "assistant", "content": "a", **absent}],
            "tools": None, "input_ids": None}
     rec = jsonl.read_record(row)
     assert rec.messages == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]

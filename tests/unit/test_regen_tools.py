@@ -90,7 +90,7 @@ def test_weight_zero_and_leading_turns_are_kept_as_recorded(tok, tmp_path):
     line = {"messages": [{"role": "assistant", "content": "hello, i am a bot."},
                          {"role": "user", "content": "q"}, {"role": "assistant", "content": "old.", "weight": 0},
                          {"role": "user", "content": "q2"}, {"role": "assistant", "content": "old too."}]}
-    got, counts, prompts = regenerate(tok, tmp_path, [line], ["new."])
+    got, _, prompts = regenerate(tok, tmp_path, [line], ["new."])
     assert len(prompts) == 1 and "old.<|im_end|>" in prompts[0] and "hello, i am a bot." in prompts[0]
     assert got[0]["messages"][:4] == line["messages"][:4] and got[0]["messages"][4]["content"] == "new."
 
