@@ -87,6 +87,7 @@ class Kept:
     notes: Counter
     partial: list[tuple[str, str]] = field(default_factory=list)
     key: bytes = b""
+    left_out: list[str] = field(default_factory=list)  # the samples whose reasoning the template did not render
 
 
 def _init_pool_worker(tokenizer_dir: str, opts: Options) -> None:
@@ -112,6 +113,9 @@ def conversation_samples(tok, conv: Conversation, opts: Options, eot: str) -> Ke
         try:
             kept.samples.append(encode(tok, conv.messages[:end + 1], opts, eot, notes, tools=conv.tools, turns=turns))
             kept.notes.update(notes)  # a skipped sample's notes are not the data set's
+            if notes["reasoning_left_out"]:
+                kept.left_out.append(f"the sample ending at message {end}: the chat template left out the reasoning "
+                                     f"of {notes['reasoning_left_out']} assistant turn(s) (not trained)")
         except Skip as skip:
             skips.append(skip)
             kept.partial.append((skip.reason, f"the sample ending at message {end}: {skip}"))
@@ -184,6 +188,7 @@ class _Tally:
     heldout: list[str] = field(default_factory=list)  # heldout.jsonl's lines
     lines: int = 0
     kept: int = 0
+    logged: dict[str, int] = field(default_factory=dict)  # warnings logged per kind
 
 
 def _sources(inputs: str | Source | list) -> list[Source]:
@@ -221,11 +226,11 @@ def _items(sources: list[Source], sel: Selection, heldout: set, tally: _Tally, s
             counts.lines += 1
             tally.lines += 1
             where = f"{file}:{line_no}"
+            n = draws.next()  # drawn for every line, so line i's copies depend on the seed and i alone
             if (i, file, line_no) in heldout:
                 tally.heldout.append(heldout_line(heldout_turns(read_record(raw).messages), where))
                 counts.heldout += 1
                 continue
-            n = draws.next()
             if n == 0:
                 counts.not_drawn += 1
                 continue
@@ -253,6 +258,8 @@ def _take(tally: _Tally, writer: DatasetWriter, sel: Selection, src_i: int, wher
         if sel.dedup or payload.key in tally.held:
             return
     tally.seen.add(payload.key)
+    for why in payload.left_out:
+        _log_capped(tally, "reasoning_left_out", f"{where}: {why}")
     tally.replies.update(payload.notes)
     tally.kept += 1
     counts.kept_lines += 1
@@ -322,6 +329,12 @@ def prepare(tokenizer_dir: str, input_path: str | Source | list, output_dir: str
                 num_supervised_tokens=writer.num_supervised, vocab_size=writer.vocab_size)
     _log_summary(meta, tally.lines, time.monotonic() - t0)
     return meta
+
+
+def _log_capped(tally: _Tally, kind: str, text: str) -> None:
+    """A WARNING for the first LOGGED_PER_REASON of a kind, DEBUG after (the counts stay exact)."""
+    n = tally.logged[kind] = tally.logged.get(kind, 0) + 1
+    log.log(logging.WARNING if n <= LOGGED_PER_REASON else logging.DEBUG, "%s", text)
 
 
 def _write_heldout(path: Path, lines: list[str]) -> None:

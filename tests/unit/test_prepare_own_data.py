@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -77,6 +78,18 @@ def test_every_turns_reasoning_is_supervised_in_some_sample(chatml):
     joined = "".join(texts)
     for answer in ("4.", "6.", "Paris.", "Rome.", "Hi!", "Bye!"):
         assert joined.count(answer + CHATML_EOT) == 1
+
+
+def test_reasoning_left_out_is_counted_and_named_by_line(chatml, tmp_path, caplog):
+    src = write_jsonl(tmp_path / "t.jsonl", [json.dumps(r) for r in thinking_corpus()])
+    with caplog.at_level(logging.WARNING, logger="dflash_dist.data.prepare"):
+        meta = prepare(str(chatml), str(src), str(tmp_path / "ds"), Options(split_turns=False))
+    assert meta["replies"]["reasoning_left_out"] == 3 and meta["num_samples"] == 3
+    assert "t.jsonl:2: the sample ending at message 4: the chat template left out the reasoning" in caplog.text
+    full = prepare(str(chatml), str(src), str(tmp_path / "ds2"), Options())
+    assert full["replies"]["reasoning_left_out"] == 0 and full["num_samples"] == 6
+    assert full["replies"]["reasoning_tokens"] == sum(len(r) for r in REASONINGS)
+    assert full["read"]["reasoning_field:reasoning"] == 1 and full["read"]["reasoning_field:thinking"] == 2
 
 
 def test_one_sample_loses_the_first_turns_reasoning_and_counts_it(chatml):
@@ -277,4 +290,7 @@ def test_bad_flags_exit_2(chatml, tmp_path):
     assert main([*base, "--input", str(tmp_path / "missing.jsonl")]) == 2
     assert main([*base, "--input", f"{src}:-2"]) == 2
     assert main([*base, "--input", str(src), "--chat-template", str(tmp_path / "none.jinja")]) == 2
+    parquet_named_jsonl = tmp_path / "p.jsonl"
+    parquet_named_jsonl.write_bytes(b"PAR1\x15\x04\x15\x00" * 8)
+    assert main([*base, "--input", str(parquet_named_jsonl)]) == 2  # the reader's refusal, before any line
     assert not (tmp_path / "o").exists()
