@@ -86,3 +86,28 @@ def test_own_chat_data_prepares_and_trains(tmp_path):
     result = json.loads((run / "summary.json").read_text())
     assert result["samples"] > 0 and result["samples"] % meta["num_samples"] == 0  # every sample, each epoch
     assert all(np.isfinite(e["loss"]) for e in result["epochs"])
+
+
+def test_no_thinking_reaches_the_workers_templates(tmp_path):
+    """--no-thinking and --chat-template-kwargs travel to every worker: replies generated with thinking off are
+    supervised from their first written token (the template's empty think block is the prompt)."""
+    tok = make_chatml_tokenizer(tmp_path / "tok")
+    lines = [json.dumps({"messages": [{"role": "user", "content": f"Hi {i}"}, {"role": "assistant", "content": f"Yo {i}."}]})
+             for i in range(6)]
+    src = write_jsonl(tmp_path / "c.jsonl", lines)
+    outs = {}
+    for name, flags in (("default", []), ("off", ["--no-thinking", "--chat-template-kwargs", '{"unused": 1}'])):
+        r = subprocess.run(prepare_cmd("--tokenizer", str(tok), "--input", str(src), "--workers", "2",
+                                       "--output", str(tmp_path / name), *flags),
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-4000:]
+        outs[name] = open_dataset(tmp_path / name)
+    from transformers import AutoTokenizer
+    t = AutoTokenizer.from_pretrained(tok)
+    for i in range(6):
+        ids, mask = outs["off"].sample(i)
+        assert t.decode(ids[mask == 1].tolist()) == f"Yo {i}.{CHATML_EOT}"
+        assert "<think>\n\n</think>\n\n" in t.decode(ids.tolist())
+        ids, mask = outs["default"].sample(i)  # not told: the empty block is trained as the reply's
+        assert t.decode(ids[mask == 1].tolist()) == f"<think>\n\n</think>\n\nYo {i}.{CHATML_EOT}"
+    assert outs["off"].meta["made_by"]["options"]["template_kwargs"] == {"unused": 1, "enable_thinking": False}
