@@ -1,36 +1,54 @@
-"""The one reader of chat and prompt JSONL lines, shared by `data.prepare`, `data.regenerate` and `evaluate`.
+"""The one reader of chat and prompt records, shared by `data.prepare`, `data.regenerate` and `evaluate`.
 
 Lines are split on "\\n" alone and numbered from 1: JSON strings may hold U+2028, U+2029 or U+0085 raw
 (json.dumps(..., ensure_ascii=False) writes them), which str.splitlines() would take for line ends,
-breaking that line and shifting every later line number. A line that yields nothing raises `Skip` with
-one of LINE_SKIPS, the same reason for the same line whichever stage reads it.
+breaking that line and shifting every later line number. A record that yields nothing raises `Skip` with
+one of LINE_SKIPS, the same reason for the same line whichever stage reads it. (data.records reads the
+files: JSONL, parquet, a `datasets` directory.)
 
-A chat line is OpenAI {"messages": [{"role": "system"|"user"|"assistant", "content": ...}]} or ShareGPT
-{"conversations": [{"from": "system"|"human"|"gpt", "value": ...}]}. An assistant message may also carry
-  reasoning_content  its reasoning as a string (passed to the chat template, which may render it);
+A record (`read_record`) is one of
+  * a conversation: OpenAI {"messages": [{"role", "content"}, ...], "tools"?: [...]} or ShareGPT
+    {"conversations": [{"from", "value"} or {"role", "content"}, ...], "tools"?: [...] or "[...]"};
+    each message normalised by data.messages (roles mapped and counted, reasoning under reasoning_content,
+    reasoning or thinking, tool calls and results, per-message weight 0, unknown keys counted);
+  * a pre-tokenized row {"input_ids": [...], "loss_mask": [...]} (serving logs), passed through as given.
+An assistant message may also carry
   token_ids          the ids the target generated for the content (written by data.regenerate);
   finish_reason      "length" when the reply was cut at its token limit (the target never ended it).
+Messages after the last supervised assistant turn are dropped (they carry no supervision). Assistant
+turns before the first user turn (a greeting the app wrote) are kept as context: weight 0, counted as
+"leading_assistant"; a conversation with no other assistant turn is no_assistant.
 """
 from __future__ import annotations
 
 import json
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-# Why a line yields no conversation (stages add their own reasons after these).
-LINE_SKIPS = ("blank_line", "bad_json", "bad_format", "bad_text", "unknown_role", "empty_conversation",
-              "no_assistant", "unexpected_error")
-SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
-OPENAI_ROLES = {"system": "system", "user": "user", "assistant": "assistant"}
+from dflash_dist.data.messages import decode_tools, normalise
+from dflash_dist.data.skip import LINE_SKIPS, Skip, check_text  # noqa: F401  (re-exported: the readers' API)
+
 CUT = "length"  # finish_reason of a reply cut at its token limit (OpenAI's word for it)
+# What a chat template is given of a message (token ids, finish reasons and weights are the data's business).
+TEMPLATE_KEYS = ("role", "content", "reasoning_content", "tool_calls", "tool_call_id", "name")
 
 
-class Skip(Exception):
-    """This line (or turn) yields no sample: `reason` names why (LINE_SKIPS, or a stage's own)."""
+@dataclass
+class Conversation:
+    """One chat record, normalised (module docstring)."""
+    messages: list[dict]  # cut after the last supervised assistant turn; index i is the record's message i
+    tools: list[dict] | None = None  # the record's `tools` (a JSON string decoded), for the chat template
+    notes: Counter = field(default_factory=Counter)  # what was mapped or left out: "role:developer->system", ...
+    source: dict | None = None  # the parsed record (regeneration rewrites it)
 
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
+
+@dataclass
+class Tokenized:
+    """A pre-tokenized row: trained exactly as given."""
+    input_ids: list[int]
+    loss_mask: list[int]  # 0/1, one per id
 
 
 def numbered_lines(path: str | Path) -> Iterator[tuple[int, bytes]]:
@@ -50,94 +68,89 @@ def decode_line(raw: bytes | str) -> Any:
         raise Skip("bad_json", f"not valid JSON: {type(exc).__name__}: {exc}") from exc
 
 
-def check_text(text: str, where: str) -> str:
-    """`text`, or Skip("bad_text"): JSON's \\ud800 escapes decode to lone surrogates, which no tokenizer
-    (nor UTF-8) takes."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise Skip("bad_text", f"{where}: not valid Unicode text ({exc.reason} at character {exc.start})") from exc
-    return text
+def _ids(value: Any, key: str, top: int | None = None) -> list[int]:
+    if not isinstance(value, list) or not value or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 and (top is None or t <= top) for t in value):
+        what = "0 or 1" if top == 1 else "non-negative integers"
+        raise Skip("bad_format", f"{key} must be a non-empty list of {what}")
+    return value
 
 
-def _text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return check_text(content, where)
-    # OpenAI content parts: [{"type": "text", "text": ...}, ...]
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
-        return check_text("".join(p["text"] for p in content), where)
-    raise Skip("bad_format", f"{where}: content must be a string or a list of text parts")
+def _tokenized(obj: dict) -> Tokenized:
+    """A pre-tokenized row, checked (the ids against a vocabulary are the caller's to check)."""
+    if "loss_mask" not in obj:
+        raise Skip("bad_format", "a pre-tokenized row needs 'loss_mask' beside 'input_ids' (1 = supervised)")
+    mask = [int(t) for t in obj["loss_mask"]] if isinstance(obj["loss_mask"], list) and all(
+        isinstance(t, bool) for t in obj["loss_mask"]) else obj["loss_mask"]  # JSON true/false taken as 1/0
+    ids, mask = _ids(obj["input_ids"], "input_ids"), _ids(mask, "loss_mask", top=1)
+    if len(ids) != len(mask):
+        raise Skip("bad_format", f"input_ids has {len(ids)} ids but loss_mask {len(mask)} values")
+    return Tokenized(list(ids), list(mask))
 
 
-def _assistant_extras(m: dict, where: str) -> dict[str, Any]:
-    """The optional fields of an assistant message (module docstring), checked."""
-    out: dict[str, Any] = {}
-    if m.get("reasoning_content") is not None:
-        if not isinstance(m["reasoning_content"], str):
-            raise Skip("bad_format", f"{where}: reasoning_content must be a string")
-        out["reasoning_content"] = check_text(m["reasoning_content"], f"{where} reasoning_content")
-    if "token_ids" in m:
-        ids = m["token_ids"]
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                for t in ids):
-            raise Skip("bad_format", f"{where}: token_ids must be a list of non-negative integers")
-        out["token_ids"] = ids
-    if "finish_reason" in m:
-        if not isinstance(m["finish_reason"], str):
-            raise Skip("bad_format", f"{where}: finish_reason must be a string")
-        out["finish_reason"] = m["finish_reason"]
-    return out
-
-
-def parse_messages(obj: Any) -> list[dict[str, Any]]:
-    """Normalise one parsed line to [{"role", "content"} + an assistant's extras], cut after the last
-    assistant turn; index i is the line's message i."""
-    if not isinstance(obj, dict):
-        raise Skip("bad_format", "expected a JSON object")
-    if "messages" in obj:
-        raw, role_key, text_key, roles = obj["messages"], "role", "content", OPENAI_ROLES
-    elif "conversations" in obj:
-        raw, role_key, text_key, roles = obj["conversations"], "from", "value", SHAREGPT_ROLES
-    else:
-        raise Skip("bad_format", "neither 'messages' (OpenAI) nor 'conversations' (ShareGPT) key")
-    if not isinstance(raw, list):
-        raise Skip("bad_format", "the conversation must be a list")
-    if not raw:
-        raise Skip("empty_conversation", "empty conversation")
-    messages = []
-    for i, m in enumerate(raw):
-        if not isinstance(m, dict) or role_key not in m or text_key not in m:
-            raise Skip("bad_format", f"message {i}: expected an object with '{role_key}' and '{text_key}'")
-        role = m[role_key]
-        if not isinstance(role, str):  # a list or object would not even hash as a key of `roles`
-            raise Skip("bad_format", f"message {i}: '{role_key}' must be a string, not {type(role).__name__}")
-        if role not in roles:
-            raise Skip("unknown_role", f"message {i}: unknown role {role!r} (expected one of {sorted(roles)})")
-        msg = {"role": roles[role], "content": _text(m[text_key], f"message {i}")}
-        if msg["role"] == "assistant":
-            msg.update(_assistant_extras(m, f"message {i}"))
-        messages.append(msg)
-    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+def _cut(messages: list[dict], notes: Counter) -> list[dict]:
+    """Leading assistant turns become context (weight 0); the conversation ends at its last supervised turn."""
+    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
+    for m in messages[:first_user]:
+        if m["role"] == "assistant" and m.get("weight") != 0:
+            m["weight"] = 0
+            notes["leading_assistant"] += 1
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant" and m.get("weight") != 0), default=-1)
     if last < 0:
+        if any(m["role"] == "assistant" for m in messages):
+            raise Skip("no_assistant", "no assistant turn to supervise (each opens the conversation or has weight 0)")
         raise Skip("no_assistant", "no assistant turn")
     return messages[:last + 1]
 
 
-def read_chat_line(raw: bytes | str) -> tuple[dict, list[dict[str, Any]]]:
-    """(the parsed line, its normalised messages), or Skip naming the reason. Whatever else one line
-    makes the parser raise is that line's `unexpected_error`, never the end of the run."""
+def parse_conversation(obj: Any) -> Conversation:
+    """One parsed chat record as a Conversation, or Skip naming what is wrong with it."""
+    if not isinstance(obj, dict):
+        raise Skip("bad_format", "expected a JSON object")
+    key = "messages" if "messages" in obj else "conversations" if "conversations" in obj else None
+    if key is None:
+        raise Skip("bad_format", "neither 'messages' (OpenAI) nor 'conversations' (ShareGPT) key, nor a "
+                                 "pre-tokenized row ('input_ids' and 'loss_mask')")
+    raw = obj[key]
+    if not isinstance(raw, list):
+        raise Skip("bad_format", "the conversation must be a list")
+    if not raw:
+        raise Skip("empty_conversation", "empty conversation")
+    notes: Counter = Counter()
+    messages = [normalise(m, i, notes) for i, m in enumerate(raw)]
+    tools = decode_tools(obj.get("tools"), notes)
+    return Conversation(_cut(messages, notes), tools, notes, obj)
+
+
+def read_record(record: Any) -> Conversation | Tokenized:
+    """A conversation or a pre-tokenized row from one JSONL line (bytes or str) or one parsed row (a dict
+    from parquet or `datasets`), or Skip naming the reason. Whatever else a record makes the reader raise
+    is that record's `unexpected_error`, never the end of the run."""
     try:
-        obj = decode_line(raw)
-        return obj, parse_messages(obj)
+        obj = decode_line(record) if isinstance(record, (bytes, str)) else record
+        if isinstance(obj, dict) and "messages" not in obj and "conversations" not in obj and "input_ids" in obj:
+            return _tokenized(obj)
+        return parse_conversation(obj)
     except Skip:
         raise
     except Exception as exc:
         raise Skip("unexpected_error", f"{type(exc).__name__}: {exc}") from exc
 
 
-def template_view(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """The messages as a chat template takes them: role, content and reasoning_content (token ids and
-    finish reasons are the data's business, not the template's)."""
-    keep = ("role", "content", "reasoning_content")
-    return [{k: m[k] for k in keep if k in m} for m in messages]
+def parse_messages(obj: Any) -> list[dict[str, Any]]:
+    """The normalised messages of one parsed chat record (parse_conversation's, without the notes)."""
+    return parse_conversation(obj).messages
+
+
+def read_chat_line(raw: bytes | str) -> tuple[dict, list[dict[str, Any]]]:
+    """(the parsed line, its normalised messages), or Skip naming the reason (a pre-tokenized row is
+    bad_format here: the caller needs a conversation)."""
+    rec = read_record(raw)
+    if isinstance(rec, Tokenized):
+        raise Skip("bad_format", "a pre-tokenized row (input_ids) where a conversation is needed")
+    return rec.source, rec.messages
+
+
+def template_view(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages as a chat template takes them: TEMPLATE_KEYS only."""
+    return [{k: m[k] for k in TEMPLATE_KEYS if k in m} for m in messages]

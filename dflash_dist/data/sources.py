@@ -134,10 +134,38 @@ def conversation_id(record: dict, index: int) -> str:
     return head if sep and tail.isdigit() else rid
 
 
+# The roles the slice took before the reader learnt the roles of the wild (issue 44): ShareGPT's file holds
+# a few bing, chatgpt and user turns, and taking them would change launch/real.sh's seeded slice.
+RECIPE_ROLES = {"messages": ("role", "content", {"system", "user", "assistant"}),
+                "conversations": ("from", "value", {"system", "human", "gpt"})}
+
+
+def _recipe_roles(record: object) -> bool:
+    """Whether the record has an assistant turn; Skip("unknown_role") at its first role outside RECIPE_ROLES
+    (the shapes the reader refuses are left to it)."""
+    key = next((k for k in RECIPE_ROLES if isinstance(record, dict) and k in record), None)
+    raw = record.get(key) if key else None
+    if not isinstance(raw, list):
+        return False
+    role_key, text_key, roles = RECIPE_ROLES[key]
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict) or role_key not in m or text_key not in m or not isinstance(m[role_key], str):
+            break
+        if m[role_key] not in roles:
+            raise Skip("unknown_role", f"message {i}: unknown role {m[role_key]!r} (expected one of {sorted(roles)})")
+    return any(isinstance(m, dict) and m.get(role_key) in ("gpt", "assistant") for m in raw)
+
+
 def usable(record: object, turns: int, max_chars: int) -> list[dict]:
     """The record's messages cut after `turns` user turns and their replies; Skip names why not usable
     (a human turn over max_chars characters too: its prefill would dominate a CPU run's time)."""
-    messages = parse_messages(record)
+    replies = _recipe_roles(record)
+    try:
+        messages = parse_messages(record)
+    except Skip as skip:  # replies before any human turn only: the reader has nothing to supervise
+        if skip.reason == "no_assistant" and replies:
+            raise Skip("not_user_first", "the conversation does not open with a human turn") from skip
+        raise
     if messages[0]["role"] == "system":
         messages = messages[1:]
     if not messages or messages[0]["role"] != "user":

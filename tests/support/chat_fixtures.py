@@ -76,3 +76,58 @@ def corpus_lines() -> tuple[list[str], dict[str, int]]:
     expected = {"bad_json": 1, "unknown_role": 1, "empty_conversation": 1, "no_assistant": 1, "blank_line": 1,
                 "over_length": 1, "bad_format": 1, "template_error": 1}
     return lines, expected
+
+
+# -- a Qwen3-style ChatML template (issue 44): thinking, tools, past turns rendered without their reasoning ---
+
+CHATML_SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
+                   "<tool_response>", "</tool_response>"]
+CHATML_EOT = "<|im_end|>"
+# As Qwen3's: a line's tools listed in the system turn; reasoning (reasoning_content, or an inline <think>
+# block split off the content) rendered only for assistant turns after the last user message; each tool call
+# as <tool_call>{"name", "arguments"}</tool_call>; tool results as a user turn in <tool_response>; thinking off
+# puts an empty <think></think> block in the generation prompt.
+CHATML_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content + '\n\n' }}{% endif %}"
+    "# Tools\n<tools>{% for t in tools %}{{ '\n' + (t | tojson) }}{% endfor %}{{ '\n</tools><|im_end|>\n' }}"
+    "{% elif messages[0].role == 'system' %}{{ '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}"
+    "{% endif %}"
+    "{% set ns = namespace(last_query=-1) %}"
+    "{% for m in messages %}{% if m.role == 'user' %}{% set ns.last_query = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'user' or (m.role == 'system' and not loop.first) %}"
+    "{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}"
+    "{% elif m.role == 'assistant' %}"
+    "{% set content = m.content if m.content is string else '' %}{% set reasoning = '' %}"
+    "{% if m.reasoning_content is string %}{% set reasoning = m.reasoning_content %}"
+    "{% elif '</think>' in content %}"
+    "{% set reasoning = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}"
+    "{% set content = content.split('</think>')[-1].lstrip('\n') %}{% endif %}"
+    "{{ '<|im_start|>assistant\n' }}"
+    "{% if loop.index0 > ns.last_query and (loop.last or reasoning) %}"
+    "{{ '<think>\n' + reasoning.strip('\n') + '\n</think>\n\n' }}{% endif %}{{ content.lstrip('\n') }}"
+    "{% for c in m.tool_calls or [] %}{% set f = c.function %}"
+    "{% if loop.first and content or not loop.first %}{{ '\n' }}{% endif %}"
+    "{{ '<tool_call>\n{\"name\": \"' + f.name + '\", \"arguments\": ' + (f.arguments | tojson) + '}\n</tool_call>' }}"
+    "{% endfor %}{{ '<|im_end|>\n' }}"
+    "{% elif m.role == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + m.content + '\n</tool_response><|im_end|>\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}{% endif %}"
+    "{% endif %}")
+
+
+def make_chatml_tokenizer(path: Path, template: str = CHATML_TEMPLATE) -> Path:
+    """A character-level tokenizer over printable ASCII (109 ids, fits the tiny target's 128) with ChatML,
+    reasoning and tool specials, and the Qwen3-style template above."""
+    vocab = {t: i for i, t in enumerate(CHATML_SPECIALS + list(string.printable))}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>",
+                                   additional_special_tokens=CHATML_SPECIALS[1:])
+    fast.chat_template = template
+    fast.save_pretrained(path)
+    return path

@@ -130,10 +130,10 @@ def test_any_other_error_one_line_raises_is_a_counted_skip_too(tok_dir, tmp_path
     import dflash_dist.data.prepare as prep
     real = prep.encode
 
-    def flaky(tok, messages, opts, eot, notes=None):
+    def flaky(tok, messages, opts, eot, notes=None, **kw):  # kw: the line's tools, the sample's turns
         if "poison" in messages[-1]["content"]:
             raise TypeError("TextEncodeInput must be Union[TextInputSequence, ...]")
-        return real(tok, messages, opts, eot, notes)
+        return real(tok, messages, opts, eot, notes, **kw)
     monkeypatch.setattr(prep, "encode", flaky)
     lines, expected = corpus_lines()
     src = write_jsonl(tmp_path / "chat.jsonl", lines + [json.dumps(openai([("user", "q"), ("assistant", "poison")]))])

@@ -74,3 +74,19 @@ def test_humaneval_prompts_are_an_evaluation_prompt_file(tmp_path):
     assert he.items[0] == sources.humaneval_turns({"prompt": "def f0(x):\n    \"\"\"doc\"\"\"\n"})
 
 
+
+
+def test_the_slice_takes_the_roles_and_openings_it_took_before_the_reader_learnt_more():
+    """ShareGPT's file holds bing, chatgpt and user turns and replies before any human turn: the reader now
+    reads them (issue 44), the recipe's seeded slice skips them as before (launch/real.sh's numbers)."""
+    from dflash_dist.data.jsonl import Skip
+    from dflash_dist.data.sources import usable
+    conv = lambda *turns: {"conversations": [{"from": f, "value": "x"} for f in turns]}  # noqa: E731
+    for record, reason in [(conv("human", "bing"), "unknown_role"), (conv("human", "chatgpt"), "unknown_role"),
+                           (conv("user", "gpt"), "unknown_role"), (conv("gpt"), "not_user_first"),
+                           (conv("system", "gpt", "human"), "not_user_first"), (conv("human"), "no_assistant")]:
+        with pytest.raises(Skip) as info:
+            usable(record, turns=1, max_chars=100)
+        assert info.value.reason == reason, record
+    assert usable(conv("human", "gpt"), turns=1, max_chars=100) == [{"role": "user", "content": "x"},
+                                                                     {"role": "assistant", "content": "x"}]

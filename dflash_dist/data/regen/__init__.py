@@ -24,4 +24,7 @@ Multi-turn and reasoning, and what the peer trainers do (their public scripts, r
     leave the reasoning out of the loss (--no-reasoning-loss); what an earlier turn's reasoning looks like in
     a later prompt is the chat template's decision (Qwen3 drops it), so every prompt is the text the target
     sees when it serves. --enable-thinking/--no-thinking go to the template as enable_thinking.
+  * Tool use: the line's `tools` go to the template with every prompt (counted as tools_not_rendered when
+    the template ignores them); tool results and weight-0 assistant turns stay as recorded; the target
+    writes its own calls in its replies (chat.py).
 """

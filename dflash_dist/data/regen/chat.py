@@ -6,9 +6,15 @@ only its assistant turns change, so the output is read by `data.prepare` exactly
 Each regenerated assistant message gets the target's reply as its text, `token_ids` (the ids the target
 generated, its end token left out: prepare trains on them rather than on the re-tokenized text) and
 `finish_reason` ("stop", or "length" for a reply cut at its token limit, which prepare supervises
-without an end of turn). The old model's `reasoning_content` is dropped: the target's reply carries its
-own reasoning as it wrote it (e.g. a <think> block), and keeping the old one would pair another model's
-reasoning with this reply. Messages after the last assistant turn are left as they are (prepare drops them).
+without an end of turn). The old model's reasoning (reasoning_content, reasoning or thinking) is dropped:
+the target's reply carries its own reasoning as it wrote it (e.g. a <think> block), and keeping the old one
+would pair another model's reasoning with this reply. Its tool calls go the same way: the target writes its
+own call in its reply (e.g. Qwen3's <tool_call> block), which the template renders verbatim; a ShareGPT
+function_call turn becomes a gpt turn. Tool results, and assistant turns of weight 0 (context: OpenAI's
+per-message weight, or a greeting before the first user turn), are kept as recorded. The line's `tools`
+go to the chat template with every prompt, as the target is served with them. Messages after the last
+assistant turn are left as they are (prepare drops them). A pre-tokenized row has no conversation to
+regenerate: skipped as pre_tokenized.
 """
 from __future__ import annotations
 
@@ -17,14 +23,15 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash_dist.data.jsonl import CUT, LINE_SKIPS, Skip, read_chat_line, template_view
+from dflash_dist.data.jsonl import CUT, LINE_SKIPS, Skip, Tokenized, read_record, template_view
+from dflash_dist.data.messages import REASONING_KEYS
 from dflash_dist.data.prepare import end_of_turn_marker
 
 log = logging.getLogger(__name__)
 
 # Every reason a line yields no output line, the reader's first (data.jsonl: the same as prepare's for
 # the same line); the counts go to the log and to the meta file.
-SKIP_REASONS = LINE_SKIPS + ("template_error", "over_context", "cut")
+SKIP_REASONS = LINE_SKIPS + ("template_error", "over_context", "cut", "pre_tokenized")
 _dropped_logged = False
 
 
@@ -34,11 +41,14 @@ class Conversation:
     cut after the last assistant turn; `obj` is the parsed line, whose assistant texts are replaced."""
     line_no: int
     obj: dict
-    messages: list[dict[str, str]]
-    turns: list[int] = field(default_factory=list)  # indices of the assistant messages, in order
+    messages: list[dict[str, Any]]
+    turns: list[int] = field(default_factory=list)  # indices of the assistant messages to regenerate, in order
+    tools: list[dict] | None = None  # the line's tools, given to the chat template
     cut_turns: int = 0  # replies that reached the token limit (kept under --on-length keep)
     new_tokens: int = 0
-    reasoning_dropped: int = 0  # the input's reasoning_content fields removed from regenerated turns
+    reasoning_dropped: int = 0  # the input's reasoning fields removed from regenerated turns
+    tool_calls_replaced: int = 0  # the input's tool calls replaced by the target's reply (its own call, if any)
+    tools_not_rendered: bool = False  # the chat template ignores the line's tools
 
     @property
     def raw_messages(self) -> list[dict]:
@@ -46,15 +56,21 @@ class Conversation:
 
     def set_reply(self, k: int, text: str, ids: list[int], stopped: bool) -> None:
         """Assistant message k is now the target's reply (`text`, decoded from `ids`), in the normalised
-        view and in the line itself; the old reasoning_content goes (module docstring)."""
+        view and in the line itself; the old reasoning and tool calls go (module docstring)."""
         finish = "stop" if stopped else CUT
         self.messages[k] = {"role": "assistant", "content": text, "token_ids": list(ids), "finish_reason": finish}
         raw = self.raw_messages[k]
-        if raw.pop("reasoning_content", None) is not None:
+        if any([raw.pop(key, None) is not None for key in REASONING_KEYS]):  # a list: every field goes
             self.reasoning_dropped += 1
             _log_dropped_once()
-        raw.update({"content" if "messages" in self.obj else "value": text, "token_ids": list(ids),
-                    "finish_reason": finish})
+        calls = [raw.pop(key, None) for key in ("tool_calls", "function_call")]
+        sharegpt = "from" in raw
+        role_key = "from" if sharegpt else "role"
+        if raw.get(role_key) == "function_call":  # the value was the call itself
+            raw[role_key] = "gpt" if sharegpt else "assistant"
+            calls.append(True)
+        self.tool_calls_replaced += any(calls)
+        raw.update({"value" if sharegpt else "content": text, "token_ids": list(ids), "finish_reason": finish})
 
     def to_line(self) -> str:
         return json.dumps(self.obj, ensure_ascii=False)
@@ -70,9 +86,11 @@ def _log_dropped_once() -> None:
 
 def parse_line(line_no: int, raw: bytes | str) -> Conversation:
     """A Conversation, or Skip(reason) naming what is wrong with the line (data.jsonl reads it)."""
-    obj, messages = read_chat_line(raw)  # validates every message; index i is the line's message i
-    turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
-    return Conversation(line_no=line_no, obj=obj, messages=messages, turns=turns)
+    rec = read_record(raw)  # validates every message; index i is the line's message i
+    if isinstance(rec, Tokenized):
+        raise Skip("pre_tokenized", "a pre-tokenized row (input_ids) has no conversation to regenerate")
+    turns = [k for k, m in enumerate(rec.messages) if m["role"] == "assistant" and m.get("weight") != 0]
+    return Conversation(line_no=line_no, obj=rec.source, messages=rec.messages, turns=turns, tools=rec.tools)
 
 
 class ChatRenderer:
@@ -84,15 +102,21 @@ class ChatRenderer:
         # leaving it out keeps the template's own default (Qwen3: thinking on).
         self.template_kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
 
+    def render(self, messages: list[dict], tools: list[dict] | None) -> str:
+        """The prompt text of `messages` with the generation prompt (and `tools`, when the line has them)."""
+        extra = {"tools": tools} if tools else {}
+        try:
+            return self.tok.apply_chat_template(template_view(messages), tokenize=False, add_generation_prompt=True,
+                                                **extra, **self.template_kwargs)
+        except Exception as exc:  # jinja raises on templates' own checks (e.g. "roles must alternate")
+            raise Skip("template_error", f"chat template failed: {type(exc).__name__}: {exc}") from exc
+
     def prompt_ids(self, conv: Conversation, k: int) -> list[int]:
         """Token ids of messages[:k] rendered with the generation prompt: what the target sees before
         it writes assistant turn k (the earlier assistant turns are already its own)."""
-        try:
-            text = self.tok.apply_chat_template(template_view(conv.messages[:k]), tokenize=False,
-                                                add_generation_prompt=True,
-                                                **self.template_kwargs)
-        except Exception as exc:  # jinja raises on templates' own checks (e.g. "roles must alternate")
-            raise Skip("template_error", f"chat template failed: {type(exc).__name__}: {exc}") from exc
+        text = self.render(conv.messages[:k], conv.tools)
+        if conv.tools and k == conv.turns[0] and text == self.render(conv.messages[:k], None):
+            conv.tools_not_rendered = True  # the target would be served without them: counted
         return self.tok(text, add_special_tokens=False)["input_ids"]
 
     def reply_text(self, ids: list[int]) -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from dflash_dist.checkpoints.files import check_output_path
 from dflash_dist.config import Range
+from dflash_dist.data.records import sniff
 from dflash_dist.data.regen.engine import EngineSpec, Sampling
 from dflash_dist.data.regen.engines import default_engine
 from dflash_dist.data.regen.run import Job, Shard, exit_code_of, run
@@ -100,6 +101,9 @@ def job_from_args(args: argparse.Namespace) -> Job:
 def check_paths(job: Job, overwrite: bool) -> None:
     if not job.input.is_file():
         raise FileNotFoundError(f"--input {job.input}: file not found")
+    if (looks := sniff(job.input)) is not None:  # read line by line it would be all bad_json skips
+        raise ValueError(f"--input {job.input}:1: not a JSONL file: it looks like {looks} (regeneration reads "
+                         "JSONL; data.prepare also reads parquet and `datasets` directories)")
     if not Path(job.engine.target).is_dir():
         raise FileNotFoundError(f"--target {job.engine.target}: directory not found")
     if job.output.exists() and not overwrite:

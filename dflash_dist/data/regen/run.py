@@ -139,7 +139,9 @@ class ChunkWorker:
         out = [c for c in convs if c.line_no in alive]
         counts.update(conversations_out=len(out), replies=sum(len(c.turns) for c in out),
                       new_tokens=sum(c.new_tokens for c in out), cut_kept=sum(c.cut_turns > 0 for c in out),
-                      reasoning_content_dropped=sum(c.reasoning_dropped for c in out))
+                      reasoning_content_dropped=sum(c.reasoning_dropped for c in out),
+                      tool_calls_replaced=sum(c.tool_calls_replaced for c in out),
+                      tools_not_rendered=sum(c.tools_not_rendered for c in out))
         return [c.to_line() for c in out], counts
 
     def _request(self, c: Conversation, t: int, alive: dict, counts: Counter) -> Request | None:
