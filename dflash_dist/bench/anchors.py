@@ -19,7 +19,7 @@ import argparse
 
 import numpy as np
 
-from dflash_dist.bench.jobs import write_json
+from dflash_dist.bench.jobs import check_outputs, write_json
 from dflash_dist.data.synthetic import chat_lengths
 
 
@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="runs/bench/anchors.json")
     args = ap.parse_args(argv)
+    check_outputs(ap, args)
     B, A = args.block_size, args.num_anchors
     mixes = {f"chat mix ({args.samples:,})": chat_lengths(args.samples, args.token_budget, args.seed),
              f"short 8-30 tokens ({args.short_samples:,})": short_mix(args.short_samples, args.seed)}

@@ -17,15 +17,14 @@ max |out - ref| on these shapes.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 import warnings
 from dataclasses import asdict, dataclass
-from pathlib import Path
 import torch
 import torch.nn.functional as F
 
 from dflash_dist.bench.common import time_interleaved
+from dflash_dist.bench.jobs import check_outputs, write_json
 from dflash_dist.models import attention as attn
 
 
@@ -224,7 +223,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="CPU intra-op threads (0: torch's default)")
     p.add_argument("--json", default="runs/bench/attention.json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_outputs(p, args)
+    return args
 
 
 def main(argv=None) -> list[dict]:
@@ -252,10 +253,8 @@ def main(argv=None) -> list[dict]:
     print_table(result, f"attention ({args.preset}: {s.tokens} tokens in {len(lengths)} seqs, longest "
                         f"{max(lengths)}, heads {s.heads}/{s.kv_heads} x {s.head_dim}, {s.dtype}, {dev}; "
                         f"median of {args.reps}; auto picks {meta['auto']})")
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "rows": result}, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_json(args.json, {"meta": meta, "rows": result})
+    print(f"wrote {args.json}")
     return result
 
 

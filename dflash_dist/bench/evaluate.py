@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from dflash_dist.bench.jobs import write_json
+from dflash_dist.bench.jobs import check_outputs, write_json
 from dflash_dist.config import load_config
 from dflash_dist.evaluation.reference import speculative_generate
 from dflash_dist.evaluation.speculative import speculative, target_greedy
@@ -82,6 +82,7 @@ def main(argv=None) -> None:
     ap.add_argument("--json", default="runs/bench/evaluate.json")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides (the tiny target's shape)")
     args = ap.parse_args(argv)
+    check_outputs(ap, args)
     torch.set_num_threads(1)  # as `dflash_dist.evaluate` runs on CPU
     cfg = load_config(overrides=["model.target.dtype=float32", *args.overrides])
     rows = [measure("tiny (built-in)", build_target(cfg, CPU), cfg, args.prompt_len, args.new_tokens, args.reps),

@@ -57,6 +57,7 @@ from typing import Callable
 
 import numpy as np
 
+from dflash_dist.bench.jobs import check_outputs
 from dflash_dist.bench.gpu_setup import device, feature_layers, packed_batch, reference_drafter
 from dflash_dist.bench.sections import ROOT, Report, print_table, run_one, run_sections, run_tree
 from dflash_dist.config import Config, TargetConfig, load_config
@@ -550,6 +551,8 @@ def parse(argv=None) -> argparse.Namespace:
     bad = [s for s in args.names if s not in SECTIONS + HIDDEN]
     if bad:
         p.error(f"--sections: unknown {bad}; choose from {SECTIONS}")
+    if not args.section:  # a section's own process writes its --result, which the parent gave it
+        check_outputs(p, args)
     return args
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_dist.bench.jobs import check_outputs
 from dflash_dist.observe.bars import track
 from dflash_dist.config import PlanConfig
 from dflash_dist.data.synthetic import chat_lengths
@@ -206,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--packing", default=PlanConfig.packing, choices=PACKINGS, help="plan.packing")
     ap.add_argument("--json", default="runs/bench/plan.json", help="where to write the results")
     args = ap.parse_args(argv)
+    check_outputs(ap, args)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()[0]

@@ -20,6 +20,8 @@ import string
 import time
 from pathlib import Path
 
+from dflash_dist.bench.jobs import check_outputs
+
 SEED_CONVERSATIONS = 902_000
 SEED_NEW_TOKENS = 1.35e9  # issue 20: the seed's run regenerated about 1.35 billion tokens
 
@@ -187,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default="runs/bench/regenerate", help="scratch directory (target, chats, outputs)")
     ap.add_argument("--json", default="runs/bench/regenerate.json")
     args = ap.parse_args(argv)
+    check_outputs(ap, args, dirs=("--dir",))
     import logging
     logging.basicConfig(level=logging.WARNING)
     work = Path(args.dir)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dflash_dist.bench.common import sync
+from dflash_dist.bench.jobs import check_outputs
 from dflash_dist.data.collate import PackedBatch
 from dflash_dist.parallel.transport import HEADER_LEN, PacketSender, PendingPacket, RecvPool
 
@@ -205,6 +206,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="skip the CPU comparison path that allocates a new receive buffer per packet")
     p.add_argument("--json", default="runs/bench/transport.json")
     args = p.parse_args(argv)
+    if "RANK" not in os.environ:  # the launching process (under torchrun every rank parses the same flags)
+        check_outputs(p, args)
     if args.backend == "auto":
         args.backend = "nccl" if torch.cuda.is_available() else "gloo"
     return args

@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from dflash_dist.bench.jobs import write_json
+from dflash_dist.bench.jobs import check_outputs, write_json
 
 SETTINGS = {"one core (vLLM's default)": "1", "all cores": "0"}  # VLLM_CPU_NUM_OF_RESERVED_CPU
 SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -106,6 +106,7 @@ def main(argv=None) -> None:
     if args.child:
         print(json.dumps(child(args)))
         return
+    check_outputs(ap, args)
     args.target = str(make_target(Path(args.target or "runs/bench/smollm2_shape")))
     names = list(SETTINGS)
     runs: dict[str, list[dict]] = {n: [] for n in names}
