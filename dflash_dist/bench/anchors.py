@@ -20,6 +20,7 @@ import argparse
 import numpy as np
 
 from dflash_dist.bench.jobs import check_outputs, write_json
+from dflash_dist.config import ranged
 from dflash_dist.data.synthetic import chat_lengths
 
 
@@ -72,12 +73,12 @@ def report(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dflash_dist.bench.anchors", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--samples", type=int, default=902_000)
-    ap.add_argument("--short-samples", type=int, default=400)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--num-anchors", type=int, default=512)
-    ap.add_argument("--token-budget", type=int, default=49_152)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--samples", type=ranged(int, ge=1), default=902_000)
+    ap.add_argument("--short-samples", type=ranged(int, ge=1), default=400)
+    ap.add_argument("--block-size", type=ranged(int, ge=2), default=16)
+    ap.add_argument("--num-anchors", type=ranged(int, ge=1), default=512)
+    ap.add_argument("--token-budget", type=ranged(int, ge=1), default=49_152)
+    ap.add_argument("--seed", type=ranged(int, ge=0), default=0)
     ap.add_argument("--json", default="runs/bench/anchors.json")
     args = ap.parse_args(argv)
     check_outputs(ap, args)

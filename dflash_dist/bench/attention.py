@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from dflash_dist.bench.common import time_interleaved
 from dflash_dist.bench.jobs import check_outputs, write_json
+from dflash_dist.config import ranged
 from dflash_dist.models import attention as attn
 
 
@@ -217,11 +218,11 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     p.add_argument("--impls", nargs="*", default=None,
                    help="subset of ref sdpa padded flex flash (default: all available)")
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--reps", type=ranged(int, ge=1), default=5)
+    p.add_argument("--warmup", type=ranged(int, ge=0), default=1)
     p.add_argument("--device", default="auto", help="auto: cuda when available")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=0, help="CPU intra-op threads (0: torch's default)")
+    p.add_argument("--seed", type=ranged(int, ge=0), default=0)
+    p.add_argument("--threads", type=ranged(int, ge=0), default=0, help="CPU intra-op threads (0: torch's default)")
     p.add_argument("--json", default="runs/bench/attention.json")
     args = p.parse_args(argv)
     check_outputs(p, args)

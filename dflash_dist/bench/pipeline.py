@@ -13,6 +13,7 @@ import argparse
 
 from dflash_dist.observe.bars import track
 from dflash_dist.bench.jobs import check_outputs, run_job, write_json
+from dflash_dist.config import ranged
 
 COMMON = ["train.epochs=1", "data.synthetic.num_samples=1500", "monitor.interval_s=5"]
 SCENARIOS = {
@@ -40,7 +41,7 @@ def measure(name: str, nproc: int, extra: list[str]) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--nproc", type=int, default=3)
+    ap.add_argument("--nproc", type=ranged(int, ge=2), default=3)
     ap.add_argument("--json", default="runs/bench/pipeline.json")
     ap.add_argument("overrides", nargs="*", help="extra key=value for both jobs")
     args = ap.parse_args(argv)

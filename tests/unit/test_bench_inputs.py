@@ -92,3 +92,19 @@ def test_the_regenerate_bench_probes_its_scratch_folder_too(tmp_path, monkeypatc
     assert exit_code(regenerate.main, ["--dir", str(tmp_path / "file" / "work"),
                                        "--json", str(tmp_path / "out.json")]) == 2
     assert "--dir" in capsys.readouterr().err
+
+
+# One flag per tool set below its range: argparse's exit 2 naming it, before the work (refused as above).
+BELOW_RANGE = {"anchors": ("--samples", "0"), "attention": ("--reps", "0"), "colocated": ("--nproc", "1"),
+               "evaluate": ("--new-tokens", "0"), "gpu_check": ("--budget-s", "0"), "pipeline": ("--nproc", "0"),
+               "plan": ("--max-seqs", "0"), "regenerate": ("--hidden", "16"), "transport": ("--sizes", "-1"),
+               "vllm_cores": ("--reps", "0")}
+
+
+@pytest.mark.parametrize("tool", sorted(BELOW_RANGE))
+def test_every_bench_refuses_a_flag_below_its_range_naming_it(tool, tmp_path, monkeypatch, capsys):
+    mod, work, argv = TOOLS[tool]
+    monkeypatch.setattr(mod, work, types.SimpleNamespace(spawn=refuse) if work == "mp" else refuse)
+    flag, value = BELOW_RANGE[tool]
+    assert exit_code(mod.main, [*argv, flag, value, "--json", str(tmp_path / "out.json")]) == 2
+    assert f"argument {flag}" in capsys.readouterr().err
