@@ -202,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--token-budget", type=ranged(int, ge=1), default=49_152)
     ap.add_argument("--max-seqs", type=ranged(int, ge=1), default=64)
     ap.add_argument("--seed", type=ranged(int, ge=0), default=0)
-    ap.add_argument("--ranks", type=ranged(int, ge=0), default=8, help="gloo processes for the broadcast timing (0: skip)")
+    ap.add_argument("--ranks", type=ranged(int, ge=0), default=8,
+                    help="gloo processes for the broadcast timing (0: skip)")
     ap.add_argument("--reps", type=ranged(int, ge=1), default=5, help="timed broadcasts")
     ap.add_argument("--packing", default=PlanConfig.packing, choices=PACKINGS, help="plan.packing")
     ap.add_argument("--json", default="runs/bench/plan.json", help="where to write the results")

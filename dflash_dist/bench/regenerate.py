@@ -181,10 +181,13 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--conversations", type=ranged(int, ge=1), default=200)
     ap.add_argument("--max-new-tokens", type=ranged(int, ge=1), default=64)
-    ap.add_argument("--hidden", type=ranged(int, ge=32), default=64, help="tiny target's hidden size (a multiple of 32)")
+    ap.add_argument("--hidden", type=ranged(int, ge=32), default=64,
+                    help="tiny target's hidden size (a multiple of 32)")
     ap.add_argument("--layers", type=ranged(int, ge=1), default=2)
-    ap.add_argument("--max-num-seqs", type=ranged(int, ge=0), default=0, help="vLLM's sequences per step (0: its default)")
-    ap.add_argument("--reps", type=ranged(int, ge=1), default=3, help="jobs per engine, interleaved; the median is reported")
+    ap.add_argument("--max-num-seqs", type=ranged(int, ge=0), default=0,
+                    help="vLLM's sequences per step (0: its default)")
+    ap.add_argument("--reps", type=ranged(int, ge=1), default=3,
+                    help="jobs per engine, interleaved; the median is reported")
     ap.add_argument("--rate-per-rank", type=ranged(float, ge=0), default=0.0,
                     help="tokens/s of one engine on the real target and GPU, for a second projection")
     ap.add_argument("--dir", default="runs/bench/regenerate", help="scratch directory (target, chats, outputs)")
