@@ -372,7 +372,9 @@ def _check_ranges(cfg: Config) -> None:
 
 def validate(cfg: Config) -> None:
     """Checks that need no process group and no model weights (those come in `models.build.draft_spec`):
-    each numeric key against the range its schema field declares, then the rules that relate keys."""
+    each numeric key against the range its schema field declares, then the rules that relate keys. The
+    rule that a variant's loss weights train something is the variant's (`models.variants.check_objective`,
+    which `train.main` runs right after this)."""
     for key, allowed in choices().items():
         if _get(cfg, key) not in allowed:
             raise ConfigError(f"config key '{key}': {_get(cfg, key)!r} is not one of {allowed}")
@@ -381,10 +383,6 @@ def validate(cfg: Config) -> None:
             and cfg.objective.soft_top_k > cfg.model.target.vocab_size:
         raise ConfigError(f"config key 'objective.soft_top_k': {cfg.objective.soft_top_k} exceeds the target's "
                           f"vocabulary ({cfg.model.target.vocab_size})")
-    if cfg.objective.labels == "target_full" and cfg.objective.distill_kl_weight == 0 \
-            and cfg.objective.distill_l1_weight == 0:
-        raise ConfigError("config keys 'objective.distill_kl_weight' and 'objective.distill_l1_weight': at least one "
-                          "must be > 0 under objective.labels=target_full (both are 0: nothing would be trained)")
     if cfg.objective.position_weights == "dpace" and cfg.objective.labels in ("target_soft", "target_full"):
         raise ConfigError("config key 'objective.position_weights': dpace needs hard labels (objective.labels=data "
                           "or target_argmax): its confidence is the drafter's probability of the one label token")

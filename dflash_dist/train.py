@@ -25,6 +25,7 @@ from dflash_dist.data.synthetic import synthetic_dataset
 from dflash_dist.parallel.dist import DistContext, agree_on_failure, env_ranks, init_distributed, setup_logging, teardown
 from dflash_dist.observe.liveness import DONE, FAILED, Liveness
 from dflash_dist.models.build import build_target, draft_spec
+from dflash_dist.models.variants import check_objective
 from dflash_dist.plan.epochs import check_trainable, count_epochs
 from dflash_dist.plan.long_samples import (check_context, check_skipped_share, plan_figures, report_truncation,
                                            run_dataset)
@@ -224,6 +225,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        check_objective(cfg)  # the variant's own rules (its loss weights), before any group forms too
         rank, world, _, local_world = env_ranks()
         colocated = cfg.roles.mode == "colocated"
         if world < 2 and not colocated:

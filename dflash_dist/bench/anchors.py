@@ -19,7 +19,8 @@ import argparse
 
 import numpy as np
 
-from dflash_dist.bench.jobs import write_json
+from dflash_dist.bench.jobs import check_outputs, write_json
+from dflash_dist.config import ranged
 from dflash_dist.data.synthetic import chat_lengths
 
 
@@ -72,14 +73,15 @@ def report(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dflash_dist.bench.anchors", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--samples", type=int, default=902_000)
-    ap.add_argument("--short-samples", type=int, default=400)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--num-anchors", type=int, default=512)
-    ap.add_argument("--token-budget", type=int, default=49_152)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--samples", type=ranged(int, ge=1), default=902_000)
+    ap.add_argument("--short-samples", type=ranged(int, ge=1), default=400)
+    ap.add_argument("--block-size", type=ranged(int, ge=2), default=16)
+    ap.add_argument("--num-anchors", type=ranged(int, ge=1), default=512)
+    ap.add_argument("--token-budget", type=ranged(int, ge=1), default=49_152)
+    ap.add_argument("--seed", type=ranged(int, ge=0), default=0)
     ap.add_argument("--json", default="runs/bench/anchors.json")
     args = ap.parse_args(argv)
+    check_outputs(ap, args)
     B, A = args.block_size, args.num_anchors
     mixes = {f"chat mix ({args.samples:,})": chat_lengths(args.samples, args.token_budget, args.seed),
              f"short 8-30 tokens ({args.short_samples:,})": short_mix(args.short_samples, args.seed)}

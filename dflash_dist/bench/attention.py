@@ -17,15 +17,15 @@ max |out - ref| on these shapes.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 import warnings
 from dataclasses import asdict, dataclass
-from pathlib import Path
 import torch
 import torch.nn.functional as F
 
 from dflash_dist.bench.common import time_interleaved
+from dflash_dist.bench.jobs import check_outputs, write_json
+from dflash_dist.config import ranged
 from dflash_dist.models import attention as attn
 
 
@@ -218,13 +218,15 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     p.add_argument("--impls", nargs="*", default=None,
                    help="subset of ref sdpa padded flex flash (default: all available)")
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--reps", type=ranged(int, ge=1), default=5)
+    p.add_argument("--warmup", type=ranged(int, ge=0), default=1)
     p.add_argument("--device", default="auto", help="auto: cuda when available")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=0, help="CPU intra-op threads (0: torch's default)")
+    p.add_argument("--seed", type=ranged(int, ge=0), default=0)
+    p.add_argument("--threads", type=ranged(int, ge=0), default=0, help="CPU intra-op threads (0: torch's default)")
     p.add_argument("--json", default="runs/bench/attention.json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_outputs(p, args)
+    return args
 
 
 def main(argv=None) -> list[dict]:
@@ -252,10 +254,8 @@ def main(argv=None) -> list[dict]:
     print_table(result, f"attention ({args.preset}: {s.tokens} tokens in {len(lengths)} seqs, longest "
                         f"{max(lengths)}, heads {s.heads}/{s.kv_heads} x {s.head_dim}, {s.dtype}, {dev}; "
                         f"median of {args.reps}; auto picks {meta['auto']})")
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "rows": result}, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_json(args.json, {"meta": meta, "rows": result})
+    print(f"wrote {args.json}")
     return result
 
 

@@ -7,17 +7,19 @@ from __future__ import annotations
 import argparse
 
 from dflash_dist.observe.bars import track
-from dflash_dist.bench.jobs import run_job, write_json
+from dflash_dist.bench.jobs import check_outputs, run_job, write_json
+from dflash_dist.config import ranged
 
 COMMON = ["train.epochs=1", "data.synthetic.num_samples=1500", "monitor.interval_s=5"]
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--nproc", type=int, default=3)
+    ap.add_argument("--nproc", type=ranged(int, ge=2), default=3)
     ap.add_argument("--json", default="runs/bench/colocated.json")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
+    check_outputs(ap, args)
     rows = []
     for mode in track(("disaggregated", "colocated"), "colocated: training jobs", "job", every_s=0):
         s = run_job(args.nproc, COMMON + [f"roles.mode={mode}"] + args.overrides)

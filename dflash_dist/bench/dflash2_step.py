@@ -23,11 +23,12 @@ from dataclasses import replace
 import torch
 
 from dflash_dist.bench.common import time_interleaved, timed
-from dflash_dist.bench.jobs import write_json
+from dflash_dist.bench.jobs import check_outputs, write_json
+from dflash_dist.config import ConfigError, ObjectiveConfig, ranged
 from dflash_dist.data.collate import PackedBatch
 from dflash_dist.models.drafter import DFlashDrafter, DraftSpec, anchor_seq_starts
 from dflash_dist.training.objective import anchor_generator, block_labels, draw_anchors, lm_head_loss
-from dflash_dist.config import ObjectiveConfig
+from dflash_dist.models.variants import variant_of
 from dflash_dist.models.variants.dflash2_loss import selector_term
 from dflash_dist.training.step import StepBatch, drafter_step, step_settings
 
@@ -40,16 +41,33 @@ SPEC = DraftSpec(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_
 
 
 def add_shape_args(ap: argparse.ArgumentParser) -> None:
-    """The batch, shape and timing flags of the step benchmarks (this one and bench.variant_step)."""
-    ap.add_argument("--seqs", type=int, default=10)
-    ap.add_argument("--prompt", type=int, default=72)
-    ap.add_argument("--reply", type=int, default=128)
-    ap.add_argument("--num-anchors", type=int, default=16, help="per sequence")
-    ap.add_argument("--vocab", type=int, default=SPEC.vocab_size)
-    ap.add_argument("--hidden", type=int, default=SPEC.hidden_size)
-    ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=0)
+    """The batch, shape and timing flags of the step benchmarks (this one and bench.variant_step), each
+    with its range (a value outside it: argparse's exit 2 naming the flag). A sequence is at least a
+    prompt token and a reply token, so that it has an anchor."""
+    ap.add_argument("--seqs", type=ranged(int, ge=1), default=10)
+    ap.add_argument("--prompt", type=ranged(int, ge=1), default=72)
+    ap.add_argument("--reply", type=ranged(int, ge=1), default=128)
+    ap.add_argument("--num-anchors", type=ranged(int, ge=1), default=16, help="per sequence")
+    ap.add_argument("--vocab", type=ranged(int, ge=2), default=SPEC.vocab_size)
+    ap.add_argument("--hidden", type=ranged(int, ge=1), default=SPEC.hidden_size)
+    ap.add_argument("--reps", type=ranged(int, ge=1), default=7)
+    ap.add_argument("--warmup", type=ranged(int, ge=0), default=1)
+    ap.add_argument("--seed", type=ranged(int, ge=0), default=0)
+
+
+def check_shape(ap: argparse.ArgumentParser, args: argparse.Namespace, variants) -> DraftSpec:
+    """The spec of the flags' shape, once every variant timed accepts it by the checks training runs
+    (`Variant.check`: DFlash 2's groups of 16 channels must divide --hidden, its top-16 candidates fit in
+    --vocab); else argparse's exit 2 naming the flag, before any drafter is built or step timed. Each
+    flag is tried alone on the reference shape, so the refusal names the one at fault."""
+    for flag, field in (("--hidden", "hidden_size"), ("--vocab", "vocab_size")):
+        shape = replace(SPEC, **{field: getattr(args, flag[2:])})  # a spec has the draft's keys and the shape
+        for name in variants:
+            try:
+                variant_of(name).check(shape, shape)
+            except ConfigError as exc:
+                ap.error(f"{flag} {getattr(args, flag[2:])}: {name} refuses this shape ({exc})")
+    return replace(SPEC, vocab_size=args.vocab, hidden_size=args.hidden, mask_token_id=min(16, args.vocab - 1))
 
 
 def make_batch(seqs: int, prompt: int, reply: int, anchors: int, feat: int, vocab: int, seed: int):
@@ -129,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-breakdown", action="store_true")
     ap.add_argument("--json", default="runs/bench/dflash2_step.json")
     args = ap.parse_args(argv)
-    spec = replace(SPEC, vocab_size=args.vocab, hidden_size=args.hidden, mask_token_id=min(16, args.vocab - 1))
+    check_outputs(ap, args)
+    spec = check_shape(ap, args, ("dflash", "dflash2"))
     drafters = make_drafters(spec, args.seed)
     feat = len(spec.target_layer_ids) * spec.hidden_size
     data, feats, anchors, anchor_cu = make_batch(args.seqs, args.prompt, args.reply, args.num_anchors, feat,

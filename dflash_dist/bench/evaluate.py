@@ -24,8 +24,8 @@ import time
 
 import torch
 
-from dflash_dist.bench.jobs import write_json
-from dflash_dist.config import load_config
+from dflash_dist.bench.jobs import check_outputs, write_json
+from dflash_dist.config import load_config, ranged
 from dflash_dist.evaluation.reference import speculative_generate
 from dflash_dist.evaluation.speculative import speculative, target_greedy
 from dflash_dist.models.build import build_drafter, build_target, draft_spec
@@ -76,12 +76,13 @@ def measure(name: str, target, cfg, prompt_len: int, new: int, reps: int) -> dic
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--prompt-len", type=ranged(int, ge=1), default=512)
+    ap.add_argument("--new-tokens", type=ranged(int, ge=1), default=256)
+    ap.add_argument("--reps", type=ranged(int, ge=1), default=2)
     ap.add_argument("--json", default="runs/bench/evaluate.json")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides (the tiny target's shape)")
     args = ap.parse_args(argv)
+    check_outputs(ap, args)
     torch.set_num_threads(1)  # as `dflash_dist.evaluate` runs on CPU
     cfg = load_config(overrides=["model.target.dtype=float32", *args.overrides])
     rows = [measure("tiny (built-in)", build_target(cfg, CPU), cfg, args.prompt_len, args.new_tokens, args.reps),

@@ -57,9 +57,10 @@ from typing import Callable
 
 import numpy as np
 
+from dflash_dist.bench.jobs import check_outputs
 from dflash_dist.bench.gpu_setup import device, feature_layers, packed_batch, reference_drafter
 from dflash_dist.bench.sections import ROOT, Report, print_table, run_one, run_sections, run_tree
-from dflash_dist.config import Config, TargetConfig, load_config
+from dflash_dist.config import Config, TargetConfig, load_config, ranged
 
 # torch is imported where it is used: a section's process (and the hidden test section) starts in a
 # fraction of a second, and the parent process never loads what the sections measure.
@@ -540,7 +541,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU, gloo: exercises every section")
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, in order (default: all of {SECTIONS})")
     p.add_argument("--json", default="runs/bench/gpu_check.json")
-    p.add_argument("--budget-s", type=float, default=None, help="whole check (default 470 s on 1 GPU, 590 s on more)")
+    p.add_argument("--budget-s", type=ranged(float, gt=0), default=None, help="whole check (default 470 s on 1 GPU, 590 s on more)")
     p.add_argument("--timeouts", default="", help="per-section caps, e.g. drafter=300,nccl=120")
     p.add_argument("--section", help=argparse.SUPPRESS)  # a section's own process
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -550,6 +551,8 @@ def parse(argv=None) -> argparse.Namespace:
     bad = [s for s in args.names if s not in SECTIONS + HIDDEN]
     if bad:
         p.error(f"--sections: unknown {bad}; choose from {SECTIONS}")
+    if not args.section:  # a section's own process writes its --result, which the parent gave it
+        check_outputs(p, args)
     return args
 
 

@@ -1,6 +1,8 @@
-"""Run a whole training job under torchrun from a benchmark and read back its summary."""
+"""Run a whole training job under torchrun from a benchmark and read back its summary; a benchmark's
+result files: probed before its work (`check_outputs`), written atomically (`write_json`)."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -9,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dflash_dist.checkpoints.files import atomic_write
+from dflash_dist.checkpoints.files import OutputPathError, atomic_write, check_output_dir, check_output_path
 
 
 def run_job(nproc: int, overrides: list[str], timeout: float = 900) -> dict:
@@ -28,6 +30,25 @@ def run_job(nproc: int, overrides: list[str], timeout: float = 900) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     summary["wall_s"] = wall
     return summary
+
+
+def check_outputs(ap: argparse.ArgumentParser, args: argparse.Namespace, files: tuple[str, ...] = ("--json",),
+                  dirs: tuple[str, ...] = ()) -> None:
+    """Every result file (`files`) and scratch folder (`dirs`) a benchmark writes, named by its flag,
+    probed before any work (`checkpoints.files.check_output_path`: a file created and removed there, a
+    missing folder made): one that cannot be written is argparse's usage error naming the flag, exit 2,
+    instead of a traceback that loses the measurement at the end. An empty value (no output) passes."""
+    for flag in (*files, *dirs):
+        path = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if not path:
+            continue
+        try:
+            if flag in dirs:
+                check_output_dir(path, flag)
+            else:
+                check_output_path(path, flag, make_parents=True)
+        except OutputPathError as exc:
+            ap.error(str(exc))
 
 
 def write_json(path: str, payload: dict) -> None:

@@ -35,7 +35,7 @@ import torch
 
 from dflash_dist.bench.jobs import write_json
 from dflash_dist.checkpoints.files import atomic_write, check_output_path
-from dflash_dist.config import load_config, ranged
+from dflash_dist.config import ConfigError, load_config, ranged
 from dflash_dist.data.collate import collate
 from dflash_dist.data.dataset import TokenDataset
 from dflash_dist.data.disk import open_dataset
@@ -274,8 +274,22 @@ def print_table(rows: list[dict], a, data: Path) -> None:
               + "".join(f"{r['recall_top_k'][k]:>9.3f}" for k in (1, min(4, len(r['acc']) - 1))))
 
 
+def check_against_target(p: argparse.ArgumentParser, a, target) -> tuple[int, ...]:
+    """Every variant's drafter spec built against the target before any capture, by training's own
+    checks (`draft_spec`: target_layer_ids within the target, each variant's keys against its shapes,
+    such as DFlash 2's conv_group_size and selector_top_k): a key one of them refuses is bad input,
+    exit 2 naming it, not a traceback after the features were captured and the first variant trained.
+    Returns the layer ids the features are captured at (the base config's)."""
+    try:
+        for cfg in a.cfgs.values():
+            draft_spec(cfg, target)
+        return draft_spec(a.base_cfg, target).target_layer_ids
+    except ConfigError as exc:
+        p.error(str(exc))
+
+
 def main(argv=None) -> None:
-    _, a = parse_args(argv)
+    p, a = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -283,7 +297,7 @@ def main(argv=None) -> None:
     pool = len(ds) - a.heldout
     epochs = a.epochs or base_cfg.train.epochs
     target = build_target(base_cfg, torch.device("cpu"))
-    layer_ids = draft_spec(base_cfg, target).target_layer_ids
+    layer_ids = check_against_target(p, a, target)
     # The final hidden state is captured once for all when any variant reads it (DSpark, target_full).
     final = any(sends_final_hidden(c.objective.labels, variant_of(c.model.draft.variant).final_hidden_features)
                 for c in a.cfgs.values())

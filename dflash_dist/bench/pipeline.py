@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 
 from dflash_dist.observe.bars import track
-from dflash_dist.bench.jobs import run_job, write_json
+from dflash_dist.bench.jobs import check_outputs, run_job, write_json
+from dflash_dist.config import ranged
 
 COMMON = ["train.epochs=1", "data.synthetic.num_samples=1500", "monitor.interval_s=5"]
 SCENARIOS = {
@@ -40,10 +41,11 @@ def measure(name: str, nproc: int, extra: list[str]) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--nproc", type=int, default=3)
+    ap.add_argument("--nproc", type=ranged(int, ge=2), default=3)
     ap.add_argument("--json", default="runs/bench/pipeline.json")
     ap.add_argument("overrides", nargs="*", help="extra key=value for both jobs")
     args = ap.parse_args(argv)
+    check_outputs(ap, args)
     rows = [measure(name, args.nproc, args.overrides) for name in track(SCENARIOS, "pipeline: training jobs", "job",
                                                                          every_s=0)]
     print(f"{'scenario':30s} {'T:D':>5s} {'tok/s':>8s} {'tgt ms/b':>9s} {'drf ms/b':>9s} {'slowest':>9s} "

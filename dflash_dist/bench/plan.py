@@ -31,8 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_dist.bench.jobs import check_outputs
 from dflash_dist.observe.bars import track
-from dflash_dist.config import PlanConfig
+from dflash_dist.config import PlanConfig, ranged
 from dflash_dist.data.synthetic import chat_lengths
 from dflash_dist.plan.epochs import PACKINGS, BatchPlan, build_plan
 
@@ -196,16 +197,18 @@ def report(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dflash_dist.bench.plan", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--samples", type=int, default=902_000)
-    ap.add_argument("--epochs", type=int, default=6)
-    ap.add_argument("--token-budget", type=int, default=49_152)
-    ap.add_argument("--max-seqs", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--ranks", type=int, default=8, help="gloo processes for the broadcast timing (0: skip)")
-    ap.add_argument("--reps", type=int, default=5, help="timed broadcasts")
+    ap.add_argument("--samples", type=ranged(int, ge=1), default=902_000)
+    ap.add_argument("--epochs", type=ranged(int, ge=1), default=6)
+    ap.add_argument("--token-budget", type=ranged(int, ge=1), default=49_152)
+    ap.add_argument("--max-seqs", type=ranged(int, ge=1), default=64)
+    ap.add_argument("--seed", type=ranged(int, ge=0), default=0)
+    ap.add_argument("--ranks", type=ranged(int, ge=0), default=8,
+                    help="gloo processes for the broadcast timing (0: skip)")
+    ap.add_argument("--reps", type=ranged(int, ge=1), default=5, help="timed broadcasts")
     ap.add_argument("--packing", default=PlanConfig.packing, choices=PACKINGS, help="plan.packing")
     ap.add_argument("--json", default="runs/bench/plan.json", help="where to write the results")
     args = ap.parse_args(argv)
+    check_outputs(ap, args)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()[0]

@@ -20,6 +20,9 @@ import string
 import time
 from pathlib import Path
 
+from dflash_dist.bench.jobs import check_outputs
+from dflash_dist.config import ranged
+
 SEED_CONVERSATIONS = 902_000
 SEED_NEW_TOKENS = 1.35e9  # issue 20: the seed's run regenerated about 1.35 billion tokens
 
@@ -176,17 +179,21 @@ def report(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dflash_dist.bench.regenerate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--conversations", type=int, default=200)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--hidden", type=int, default=64, help="tiny target's hidden size (a multiple of 32)")
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--max-num-seqs", type=int, default=0, help="vLLM's sequences per step (0: its default)")
-    ap.add_argument("--reps", type=int, default=3, help="jobs per engine, interleaved; the median is reported")
-    ap.add_argument("--rate-per-rank", type=float, default=0.0,
+    ap.add_argument("--conversations", type=ranged(int, ge=1), default=200)
+    ap.add_argument("--max-new-tokens", type=ranged(int, ge=1), default=64)
+    ap.add_argument("--hidden", type=ranged(int, ge=32), default=64,
+                    help="tiny target's hidden size (a multiple of 32)")
+    ap.add_argument("--layers", type=ranged(int, ge=1), default=2)
+    ap.add_argument("--max-num-seqs", type=ranged(int, ge=0), default=0,
+                    help="vLLM's sequences per step (0: its default)")
+    ap.add_argument("--reps", type=ranged(int, ge=1), default=3,
+                    help="jobs per engine, interleaved; the median is reported")
+    ap.add_argument("--rate-per-rank", type=ranged(float, ge=0), default=0.0,
                     help="tokens/s of one engine on the real target and GPU, for a second projection")
     ap.add_argument("--dir", default="runs/bench/regenerate", help="scratch directory (target, chats, outputs)")
     ap.add_argument("--json", default="runs/bench/regenerate.json")
     args = ap.parse_args(argv)
+    check_outputs(ap, args, dirs=("--dir",))
     import logging
     logging.basicConfig(level=logging.WARNING)
     work = Path(args.dir)

@@ -32,6 +32,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dflash_dist.bench.common import sync
+from dflash_dist.bench.jobs import check_outputs
+from dflash_dist.config import ranged
 from dflash_dist.data.collate import PackedBatch
 from dflash_dist.parallel.transport import HEADER_LEN, PacketSender, PendingPacket, RecvPool
 
@@ -194,17 +196,19 @@ def _spawned(rank: int, init_method: str, args: argparse.Namespace) -> None:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", type=float, nargs="*", default=[1, 16, 128], help="packet sizes in MiB")
-    p.add_argument("--real-tokens", type=int, default=2048,
+    p.add_argument("--sizes", type=ranged(float, gt=0), nargs="*", default=[1, 16, 128], help="packet sizes in MiB")
+    p.add_argument("--real-tokens", type=ranged(int, ge=0), default=2048,
                    help="tokens of the realistic packet (2048 x 5x4096 bf16 = 80 MiB); 0 skips it")
-    p.add_argument("--feat-dim", type=int, default=FEAT_DIM)
-    p.add_argument("--reps", type=int, default=15)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--feat-dim", type=ranged(int, ge=1), default=FEAT_DIM)
+    p.add_argument("--reps", type=ranged(int, ge=1), default=15)
+    p.add_argument("--warmup", type=ranged(int, ge=0), default=2)
     p.add_argument("--backend", default="auto", help="auto: nccl with CUDA, gloo otherwise")
     p.add_argument("--no-fresh", action="store_true",
                    help="skip the CPU comparison path that allocates a new receive buffer per packet")
     p.add_argument("--json", default="runs/bench/transport.json")
     args = p.parse_args(argv)
+    if "RANK" not in os.environ:  # the launching process (under torchrun every rank parses the same flags)
+        check_outputs(p, args)
     if args.backend == "auto":
         args.backend = "nccl" if torch.cuda.is_available() else "gloo"
     return args

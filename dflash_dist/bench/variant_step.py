@@ -20,8 +20,8 @@ from dataclasses import replace
 import torch
 
 from dflash_dist.bench.common import time_interleaved
-from dflash_dist.bench.dflash2_step import SPEC, add_shape_args, make_batch, tied_head
-from dflash_dist.bench.jobs import write_json
+from dflash_dist.bench.dflash2_step import add_shape_args, check_shape, make_batch, tied_head
+from dflash_dist.bench.jobs import check_outputs, write_json
 from dflash_dist.config import ObjectiveConfig
 from dflash_dist.models.drafter import DFlashDrafter
 from dflash_dist.models.variants import RunProgress
@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [v for v in names if v not in CASES]
     if bad:
         ap.error(f"--variants: {bad} not of {list(CASES)}")
-
-    spec = replace(SPEC, vocab_size=args.vocab, hidden_size=args.hidden, mask_token_id=min(16, args.vocab - 1))
+    check_outputs(ap, args)
+    spec = check_shape(ap, args, [CASES[n][0] for n in names])
     H, B, V = spec.hidden_size, spec.block_size, spec.vocab_size
     data, feats, anchors, anchor_cu = make_batch(args.seqs, args.prompt, args.reply, args.num_anchors,
                                                  (len(spec.target_layer_ids) + 1) * H, V, args.seed)

@@ -28,7 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-from dflash_dist.bench.jobs import write_json
+from dflash_dist.bench.jobs import check_outputs, write_json
+from dflash_dist.config import ranged
 
 SETTINGS = {"one core (vLLM's default)": "1", "all cores": "0"}  # VLLM_CPU_NUM_OF_RESERVED_CPU
 SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -96,16 +97,17 @@ def run_setting(args, reserved: str) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=None, help="model directory (default: SmolLM2-135M's shape, random)")
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--prompts", type=ranged(int, ge=1), default=8)
+    ap.add_argument("--prompt-len", type=ranged(int, ge=1), default=64)
+    ap.add_argument("--new-tokens", type=ranged(int, ge=1), default=128)
+    ap.add_argument("--reps", type=ranged(int, ge=1), default=2)
     ap.add_argument("--json", default="runs/bench/vllm_cores.json")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         print(json.dumps(child(args)))
         return
+    check_outputs(ap, args)
     args.target = str(make_target(Path(args.target or "runs/bench/smollm2_shape")))
     names = list(SETTINGS)
     runs: dict[str, list[dict]] = {n: [] for n in names}

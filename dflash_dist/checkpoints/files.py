@@ -25,6 +25,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
+from dflash_dist.checkpoints.write_errors import os_errors
+
 log = logging.getLogger(__name__)
 
 TMP_TAG = ".tmp-"  # in every temporary name: readers refuse it and start-up clean-ups look for it
@@ -152,7 +154,8 @@ def atomic_write(path: str | os.PathLike, data: str | bytes | Callable[[BinaryIO
 
 def _write(f: BinaryIO, data: str | bytes | Callable[[BinaryIO], object]) -> None:
     if callable(data):
-        data(f)
+        with os_errors():  # torch.save's RuntimeError over the file's own ENOSPC: the OSError it is
+            data(f)
     else:
         f.write(data.encode("utf-8") if isinstance(data, str) else data)
 

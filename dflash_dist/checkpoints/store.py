@@ -36,6 +36,7 @@ import torch
 from dflash_dist.checkpoints import lineage
 from dflash_dist.config import Config, ConfigError, to_dict
 from dflash_dist.checkpoints.files import TMP_TAG, AtomicDir, file_sha256, json_safe
+from dflash_dist.checkpoints.write_errors import write_error
 
 log = logging.getLogger(__name__)
 
@@ -146,12 +147,8 @@ def _file_record(path: Path) -> dict:
 def _write_failure(final: Path, exc: BaseException) -> str:
     """The reason a save failed, in words: a full disk (ENOSPC / quota, or almost no space left, which
     is what torch's bare "unexpected pos" error means in practice) or another write error."""
-    codes, e = set(), exc
-    for _ in range(8):  # the errno may sit on a cause (torch wraps the OSError of its writer)
-        if e is None:
-            break
-        codes.add(getattr(e, "errno", None))
-        e = e.__cause__ or e.__context__
+    err = write_error(exc)  # the errno may sit on a cause (torch wraps the OSError of its writer)
+    codes = {err.errno} if err is not None else set()
     try:
         free = shutil.disk_usage(next(p for p in (final.parent, *final.parents) if p.exists())).free
     except (OSError, StopIteration):

@@ -6,7 +6,7 @@ import torch
 from dflash_dist.config import Config, ConfigError, default_target_layer_ids
 from dflash_dist.models.drafter import DFlashDrafter, DraftSpec
 from dflash_dist.models.qwen3 import TinyQwen3
-from dflash_dist.models.variants import variant_of
+from dflash_dist.models.variants import check_objective, variant_of
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -38,6 +38,7 @@ def build_target(cfg: Config, device: torch.device, head_only: bool = False, tp_
 
 
 def draft_spec(cfg: Config, target) -> DraftSpec:
+    check_objective(cfg)
     d, L = cfg.model.draft, target.num_layers
     ids = list(d.target_layer_ids) or default_target_layer_ids(L, d.num_feature_layers)
     bad = [i for i in ids if not 0 <= i < L]

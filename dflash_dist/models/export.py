@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_dist.checkpoints.files import AtomicDir, atomic_write
+from dflash_dist.checkpoints.write_errors import os_errors
 from dflash_dist.models.drafter import DFlashDrafter, DraftSpec
 from dflash_dist.models.variants import variant_of_export
 
@@ -153,7 +154,8 @@ def export_drafter(spec: DraftSpec, state: dict, out_dir: Path, dtype: torch.dty
                for k, v in state.items()}
     with AtomicDir(out_dir, replace=True) as d:
         (d.tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        save_file(tensors, str(d.tmp / "model.safetensors"), metadata={"format": "pt"})
+        with os_errors():  # safetensors' own error for a full disk: the OSError the callers handle
+            save_file(tensors, str(d.tmp / "model.safetensors"), metadata={"format": "pt"})
         (d.tmp / "README.md").write_text(model_card(spec, facts))
     return Path(out_dir)
 

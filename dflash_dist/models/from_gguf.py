@@ -30,6 +30,7 @@ from pathlib import Path
 
 from dflash_dist.checkpoints.files import (AtomicDir, OutputPathError, atomic_write, check_output_dir,
                                            temp_siblings, terminate_cleanly)
+from dflash_dist.checkpoints.write_errors import os_errors
 from dflash_dist.exits import EXIT_BAD_INPUT
 
 log = logging.getLogger(__name__)
@@ -236,8 +237,9 @@ def convert(gguf_file: Path, out_dir: Path, force: bool = False) -> Path:
         model, tokenizer = load_gguf(gguf_file)
         plain = rebuild(model)
         fill_generation_config(plain, tokenizer)
-        plain.save_pretrained(target.tmp)
-        tokenizer.save_pretrained(target.tmp)
+        with os_errors():  # safetensors' SafetensorError on a full disk: the OSError below names it
+            plain.save_pretrained(target.tmp)
+            tokenizer.save_pretrained(target.tmp)
         target.commit()  # umask modes: mkdtemp's 0700 and safetensors' 0600 would hide a shared target
     except FileExistsError:  # another conversion finished first (commit refuses to replace it)
         done = existing_conversion(out_dir)

@@ -115,3 +115,29 @@ def test_two_conversions_started_together_one_writes_the_other_exits_2(tmp_path)
     assert str(winner.resolve()) in loser_err and "Traceback" not in loser_err
     assert json.loads((out / "from_gguf.json").read_text())["source"] == str(winner.resolve())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.gguf", "b.gguf", "go", "target"]
+
+
+# The weights' write meets a full disk as safetensors 0.8 reports one (seen on a full 200 MiB tmpfs): part
+# of the file written, then its own SafetensorError, not an OSError, with the OS error in its text.
+FULL_DISK = """
+import transformers.modeling_utils
+from safetensors import SafetensorError
+
+def full(tensors, filename, metadata=None):
+    Path(filename).write_bytes(b"half a safetensors file")
+    raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+transformers.modeling_utils.safe_save_file = full
+"""
+
+
+def test_a_full_disk_under_safetensors_exits_2_naming_out_dir_and_leaves_nothing(tmp_path):
+    """Issue 46, case 12: exit 2 naming OUT_DIR and the lack of space, no traceback, nothing left."""
+    gguf, go, out = write_gguf(tmp_path / "m.gguf", "llama"), tmp_path / "go", tmp_path / "target"
+    go.touch()
+    driver = DRIVER.replace("from_gguf.load_gguf = load", FULL_DISK + "\nfrom_gguf.load_gguf = load")
+    r = subprocess.run([sys.executable, "-c", driver, str(go), str(gguf), str(out)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"{out}: cannot write it: No space left on device" in r.stderr and "Traceback" not in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["go", "m.gguf"]

@@ -135,3 +135,17 @@ def test_an_eval_bench_prompt_over_the_targets_context_is_exit_2_on_every_rank_b
     assert _every_rank_says(out, "config key 'train.eval_bench': 1 prompt(s) of at least the target's context of 64 "
                                  f"positions, which it cannot answer: {bench}:2 (70 tokens)"), out[-3000:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("overrides, keys", [
+    (["objective.dspark_ce_weight=0", "objective.dspark_l1_weight=0", "objective.dspark_confidence_weight=0"],
+     ["objective.dspark_ce_weight", "objective.dspark_l1_weight", "objective.dspark_confidence_weight"]),
+    (["model.draft.enable_confidence_head=false", "objective.dspark_ce_weight=0", "objective.dspark_l1_weight=0"],
+     ["objective.dspark_ce_weight", "objective.dspark_l1_weight"]),
+])
+def test_a_dspark_loss_that_trains_nothing_is_exit_2_before_any_group_forms(tmp_path, overrides, keys):
+    """Issue 46, case 1: it was exit 0 with loss 0 at every step, a checkpoint and an export."""
+    rc, out = _torchrun(["model.draft.variant=dspark", *overrides], tmp_path / "run")
+    assert rc != 0 and "exitcode  : 2" in out, out[-3000:]
+    assert all(f"'{k}'" in out for k in keys), out[-3000:]
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "export").exists()

@@ -10,6 +10,7 @@ import torch
 from dflash_dist.config import ConfigError, load_config
 from dflash_dist.data.collate import PackedBatch
 from dflash_dist.models.build import build_drafter, build_target, draft_spec
+from dflash_dist.models.variants import check_objective
 from dflash_dist.parallel.transport import packet_spec, sends_final_hidden, target_label_width
 from dflash_dist.training.capture import capture_for_drafter
 from dflash_dist.training.objective import (FullTarget, anchor_generator, block_labels, draw_anchors,
@@ -180,11 +181,12 @@ def test_config_keys_and_the_one_rule_for_the_final_state():
     assert [sends_final_hidden(lab, False) for lab in ("data", "target_argmax", "target_soft", "target_full")] == \
         [False, False, False, True]
     assert sends_final_hidden("data", True)
+    # the variants' one rule on loss weights (models.variants.check_objective, run right after loading)
     with pytest.raises(ConfigError, match="'objective.distill_kl_weight' and 'objective.distill_l1_weight'"):
-        load_config(overrides=["objective.labels=target_full", "objective.distill_kl_weight=0"])
-    load_config(overrides=["objective.labels=target_full", "objective.distill_kl_weight=0",
-                           "objective.distill_l1_weight=0.5"])  # the L1 term alone trains
-    load_config(overrides=["objective.distill_kl_weight=0"])  # the keys only matter under target_full
+        check_objective(load_config(overrides=["objective.labels=target_full", "objective.distill_kl_weight=0"]))
+    check_objective(load_config(overrides=["objective.labels=target_full", "objective.distill_kl_weight=0",
+                                           "objective.distill_l1_weight=0.5"]))  # the L1 term alone trains
+    check_objective(load_config(overrides=["objective.distill_kl_weight=0"]))  # the keys only matter under target_full
     for bad in ("objective.distill_kl_weight=-1", "objective.distill_l1_weight=nan"):
         with pytest.raises(ConfigError, match=bad.split("=")[0]):
             load_config(overrides=["objective.labels=target_full", bad])

@@ -41,6 +41,28 @@ def test_a_full_disk_is_bad_input_naming_out_dir_and_leaves_no_out_dir_and_no_te
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
 
 
+# What safetensors 0.8 raises when the disk fills under save_file (seen on a full tmpfs): its own error
+# type, not an OSError, with the OS error only in its text.
+SAFETENSORS_FULL = "Error while serializing: I/O error: No space left on device (os error 28)"
+
+
+def test_a_full_disk_under_safetensors_exits_2_naming_out_dir_and_the_lack_of_space(tmp_path, monkeypatch, caplog):
+    """Issue 46, case 12: transformers' save_pretrained writes the weights with safetensors, whose
+    SafetensorError was a traceback (exit 1); it is the same full disk as an OSError's: exit 2."""
+    import transformers.modeling_utils
+    from safetensors import SafetensorError
+
+    def full(*args, **kwargs):
+        raise SafetensorError(SAFETENSORS_FULL)
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full)
+    monkeypatch.setattr(from_gguf, "load_gguf", lambda path: (tiny_llama(), PlainTokenizer()))
+    monkeypatch.setattr(from_gguf, "terminate_cleanly", lambda: None)  # pytest's own SIGTERM handling stays
+    out = tmp_path / "target"
+    assert from_gguf.main([str(write_gguf(tmp_path / "m.gguf", "llama")), str(out)]) == 2
+    assert f"{out}: cannot write it: No space left on device" in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+
 def test_a_full_disk_found_before_loading_exits_2_naming_the_directory(tmp_path, monkeypatch, caplog):
     def full(fd, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from dflash_dist.config import ConfigError
-from dflash_dist.models.variants.base import LossChunk, RunProgress, Variant, accepted_lengths
+from dflash_dist.models.variants.base import (LossChunk, LossWeights, RunProgress, Variant, accepted_lengths,
+                                              check_trains)
 from dflash_dist.models.variants.dflash import DFlash
 from dflash_dist.models.variants.dflash2 import DFlash2
 from dflash_dist.models.variants.domino import Domino
@@ -17,6 +18,13 @@ def variant_of(name: str) -> Variant:
     except KeyError:
         raise ConfigError(f"config key 'model.draft.variant': {name!r} is not one of "
                           f"{', '.join(VARIANTS)}") from None
+
+
+def check_objective(cfg) -> None:
+    """The variant's rules on a loaded config that need no target (config.py names no variant, so they
+    run here: `train.main` right after loading, before any group forms, and `models.build.draft_spec`
+    for every tool that builds a drafter): its loss weights train something (`base.check_trains`)."""
+    check_trains(variant_of(cfg.model.draft.variant), cfg.objective, cfg.model.draft)
 
 
 def variant_of_export(cfg: dict) -> Variant:
@@ -34,4 +42,5 @@ def variant_of_export(cfg: dict) -> Variant:
                 VARIANTS["dflash"])
 
 
-__all__ = ["VARIANTS", "LossChunk", "RunProgress", "Variant", "accepted_lengths", "variant_of", "variant_of_export"]
+__all__ = ["VARIANTS", "LossChunk", "LossWeights", "RunProgress", "Variant", "accepted_lengths", "check_objective",
+           "check_trains", "variant_of", "variant_of_export"]

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash_dist.config import loss_gamma
+from dflash_dist.config import ConfigError, loss_gamma
 
 
 def accepted_lengths(hits: torch.Tensor) -> torch.Tensor:
@@ -55,6 +55,32 @@ class LossChunk:
     # objective.labels=target_full: the chunk's `training.objective.FullTarget` (the target's final states
     # and each slot's position), for a term that is the whole loss (`full_target_term`); None otherwise.
     full: Any = None
+
+
+@dataclass(frozen=True)
+class LossWeights:
+    """The terms of a variant's loss as the config weighs them: each weighing key's name -> its value,
+    whether a term that no key weighs (the plain cross-entropy, weight 1) is there, and the setting that
+    makes these the terms ("under objective.labels=target_full"), for the refusal's message."""
+    keys: dict[str, float]
+    unweighted: bool = False
+    where: str = ""
+
+    def trains(self) -> bool:
+        return self.unweighted or any(v > 0 for v in self.keys.values())
+
+
+def check_trains(variant: "Variant", objective, draft) -> None:
+    """The one rule on every variant's loss weights: a ConfigError naming the keys when all of them are
+    0 and no unweighted term is left (loss 0 and no gradient at every step: a run would end "done",
+    its checkpoints and export untrained)."""
+    w = variant.loss_weights(objective, draft)
+    if w.trains():
+        return
+    names = [f"'{k}'" for k in w.keys]
+    listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+    raise ConfigError(f"config keys {listed}: at least one must be > 0 {w.where} "
+                      f"({'both are' if len(names) == 2 else 'all are'} 0: nothing would be trained)")
 
 
 class Variant:
@@ -96,6 +122,16 @@ class Variant:
         return {}
 
     # -- training -----------------------------------------------------------------------------------
+    def loss_weights(self, objective, draft) -> LossWeights:
+        """The keys that weigh this variant's loss under `objective` (cfg.objective) and `draft`
+        (cfg.model.draft), which `check_trains` refuses when none trains anything. The plain head's loss:
+        its cross-entropy (no key), or under target_full the KL and L1 distillation's two weights."""
+        if objective.labels == "target_full":
+            return LossWeights({"objective.distill_kl_weight": objective.distill_kl_weight,
+                                "objective.distill_l1_weight": objective.distill_l1_weight},
+                               where="under objective.labels=target_full")
+        return LossWeights({}, unweighted=True)
+
     def drafts(self, block_size: int) -> int:
         """Tokens drafted per block: those after the anchor's slot, or every slot's (anchor as first)."""
         return block_size if self.anchor_drafts else block_size - 1

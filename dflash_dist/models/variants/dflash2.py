@@ -9,7 +9,7 @@ import torch
 
 from dflash_dist.config import ConfigError
 from dflash_dist.models.dflash2 import CandidateSelector, GroupedConv, walk
-from dflash_dist.models.variants.base import LossChunk, Variant
+from dflash_dist.models.variants.base import LossChunk, LossWeights, Variant
 from dflash_dist.models.variants.dflash2_loss import selector_term
 
 
@@ -45,6 +45,13 @@ class DFlash2(Variant):
         if d.selector_top_k > target.vocab_size:
             raise ConfigError(f"config key 'model.draft.selector_top_k': {d.selector_top_k} exceeds the target's "
                               f"vocabulary ({target.vocab_size})")
+
+    def loss_weights(self, objective, draft) -> LossWeights:
+        """The plain head's terms plus the selector's (alpha, on the same labels: under target_full the
+        target's top-1), which trains the selector and, undetached, the backbone on its own."""
+        unary = super().loss_weights(objective, draft)
+        return replace(unary, keys={**unary.keys, "objective.selector_weight": objective.selector_weight},
+                       where=f"{unary.where} with model.draft.variant=dflash2".strip())
 
     def sublayer_wrappers(self, s):
         return (GroupedConv(s.hidden_size, s.conv_kernel_size, s.conv_group_size),

@@ -15,7 +15,7 @@ from dataclasses import replace
 import torch
 
 from dflash_dist.config import ConfigError
-from dflash_dist.models.variants.base import LossChunk, Variant
+from dflash_dist.models.variants.base import LossChunk, LossWeights, Variant
 from dflash_dist.models.variants.dspark_heads import ConfidenceHead, MarkovHead, markov_walk
 from dflash_dist.models.variants.dspark_loss import DSparkOptions, dspark_term, slot_metrics
 
@@ -48,6 +48,17 @@ class DSpark(Variant):
         if d.markov_head_type != "vanilla":
             raise ConfigError(f"config key 'model.draft.markov_head_type': {d.markov_head_type!r}: vLLM 0.32's "
                               "Qwen3 DSpark serves the vanilla head only")
+
+    def loss_weights(self, objective, draft) -> LossWeights:
+        """Its three terms' weights; the confidence term's only with the confidence head (without it the
+        key weighs nothing)."""
+        keys = {"objective.dspark_ce_weight": objective.dspark_ce_weight,
+                "objective.dspark_l1_weight": objective.dspark_l1_weight}
+        if draft.enable_confidence_head:
+            keys["objective.dspark_confidence_weight"] = objective.dspark_confidence_weight
+            return LossWeights(keys, where="under model.draft.variant=dspark")
+        return LossWeights(keys, where="under model.draft.variant=dspark with model.draft.enable_confidence_head="
+                                       "false (no confidence term)")
 
     def heads(self, s):
         heads = {"markov_head": MarkovHead(s.vocab_size, s.markov_rank)}
