@@ -13,7 +13,7 @@ Labels (`objective.labels`): `data` trains slot k on the token at anchor + k; `t
 target's greedy token for that position and `target_soft` on the target's top-k distribution for it, both
 read from the target's logits at anchor + k - 1 (a causal LM's prediction for the next position);
 `target_full` on the target's whole distribution there, softmax(lm_head(last)) of its final-normed last
-hidden state, which the drafter computes in the loss's row chunks (`FullTarget`, `lm_head_loss`): forward
+hidden state, which the drafter computes in the loss's row chunks (`FullTarget`, `head_loss`): forward
 KL and the L1 distance, its top-1 the label of the metrics. An anchor-as-first variant (DSpark's layout)
 reads slot k's at anchor + k (`label_positions`). The slots that count and their weights are those of
 `block_labels` in every mode.
@@ -27,6 +27,8 @@ from typing import NamedTuple
 import torch
 
 from dflash_dist.data.anchors import anchor_candidates
+from dflash_dist.models.head_loss import (Chunk, ChunkLoss, RowInputs, chunk_rows, l1_softmax_grad, rescaled,
+                                          with_gradients)
 from dflash_dist.models.variants.base import accepted_lengths
 from dflash_dist.plan.seeding import seeded_generator
 
@@ -149,20 +151,17 @@ def soft_block_targets(top_values: torch.Tensor, top_ids: torch.Tensor, labels: 
     return probs, ids, torch.where(labels >= 0, ids[..., 0], labels)
 
 
-@dataclass
+@dataclass(frozen=True)
 class FullTarget:
     """objective.labels=target_full for one anchor chunk: the target's whole next-token distribution at
-    each trained slot, p_t = softmax(lm_head(last[pos])), which `lm_head_loss` computes in its own row
+    each trained slot, p_t = softmax(lm_head(last[pos])), which `head_loss` computes in its own row
     chunks (never more than its `rows` x V at once) and trains the slot's q = softmax(lm_head(h)) on:
-    kl_weight * KL(p_t || q) + l1_weight * ||q - p_t||_1, times the slot's weight.
-
-    `top1` is filled by `lm_head_loss`: (A, B) the target's top-1 at the trained slots (-100 elsewhere),
-    the labels its metrics count against (as target_soft's top-1 labels) and a variant's term reads."""
+    kl_weight * KL(p_t || q) + l1_weight * ||q - p_t||_1, times the slot's weight. The target's top-1 at
+    the trained slots, read off the same chunks, comes back as `HeadLoss.labels`."""
     last: torch.Tensor  # (N, H) the target's final-normed last hidden state per packed token
     pos: torch.Tensor  # (A, B) the row of `last` whose distribution is slot k's target (`label_positions`)
     kl_weight: float
     l1_weight: float
-    top1: torch.Tensor | None = None
 
 
 @dataclass
@@ -184,7 +183,7 @@ class StepMetrics:
     topk_hits: torch.Tensor | None = None
 
 
-# -- the LM head and loss, a bounded number of rows at a time ------------------------------------------
+# -- the plain LM head's loss, a bounded number of rows at a time (the row loop: models/head_loss.py) ---
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     """autocast's dtype where it is on (bf16 on CUDA), else the tensor's own."""
@@ -192,118 +191,113 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
 
 
-class _ChunkedHeadLoss(torch.autograd.Function):
-    """sum_r w_r * ce_r over the selected rows of `hidden`, `rows` rows of logits at a time.
-
-    The input gradient is computed chunk by chunk in the forward and is all that is saved (rows x H in
-    the compute dtype, next to nothing beside the activations): recomputing the logits in the backward
-    would cost a third (rows x H x V) matmul per chunk where this costs two, and the LM head is about a
-    quarter of a drafter step's FLOPs. The price is computing a gradient nobody may ask for, so it is
-    skipped when autograd will not need it. With `top_k` each row's top-k (`HeadTopK`) is read off the same
-    logits (DFlash 2's candidates: no second pass of the head). With `full` ((last, its row per selected
-    row, KL weight, L1 weight): target_full) each row's target distribution is computed in the same chunk
-    (`_distill_rows`) and `tlab` holds its top-1."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, sel, labels, wts, probs, ids, rows: int, need_grad: bool, weigh, top_k: int,
-                full=None):
-        dt = _compute_dtype(hidden)
-        flat = hidden.reshape(-1, hidden.shape[-1])
-        n = sel.numel()
-        pred = torch.empty(n, dtype=torch.long, device=hidden.device)
-        tlab = torch.empty(n if full is not None else 0, dtype=torch.long, device=hidden.device)
-        grad = torch.empty(n, flat.shape[1], dtype=dt, device=hidden.device) if need_grad else None
-        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        ce = torch.empty(n, dtype=torch.float32, device=hidden.device) if weigh is not None else None
-        top = HeadTopK(torch.empty(n, top_k, dtype=torch.long, device=hidden.device),
-                       torch.empty(n, top_k, dtype=torch.float32, device=hidden.device),
-                       torch.empty(n if top_k else 0, dtype=torch.float32, device=hidden.device))
-        with torch.autocast(hidden.device.type, enabled=False):
-            w = weight.to(dt)  # a no-op when the head is already in the compute dtype (bf16 on CUDA)
-            for i in range(0, n, rows):
-                j = min(n, i + rows)
-                soft = None if probs is None else (probs[i:j], ids[i:j])
-                teacher = None if full is None else (full[0][full[1][i:j]].to(dt), full[2], full[3], tlab[i:j])
-                loss += _head_chunk(flat[sel[i:j]].to(dt), w, labels[i:j], wts[i:j], soft, pred[i:j],
-                                    grad[i:j] if need_grad else None, None if ce is None else ce[i:j],
-                                    HeadTopK(*(t[i:j] for t in top)) if top_k else None, teacher)
-        used = wts.new_empty(0)  # the weights in effect, when they are not the given ones
-        if weigh is not None:  # weights that need every row's loss first: each row's gradient is linear in its
-            factor = weigh(ce)  # weight, so the chunks' gradients (at weight wts) are scaled now, no recompute
-            used = wts * factor
-            loss = (ce * used).sum()
-            if need_grad:
-                grad.mul_(factor[:, None].to(grad.dtype))
-        ctx.mark_non_differentiable(pred, tlab, used, *top)
-        if need_grad:
-            ctx.save_for_backward(grad, sel)
-            ctx.shape, ctx.dtype = hidden.shape, hidden.dtype
-        return loss, pred, tlab, used, *top
-
-    @staticmethod
-    def backward(ctx, grad_loss, *_non_differentiable):
-        grad, sel = ctx.saved_tensors
-        out = torch.zeros(ctx.shape, dtype=ctx.dtype, device=grad.device)
-        out.view(-1, ctx.shape[-1]).index_copy_(0, sel, (grad * grad_loss).to(ctx.dtype))
-        return out, *([None] * 11)
-
-
 class HeadTopK(NamedTuple):
-    """The head's top-k at each row with a label, read off the loss's logits (`lm_head_loss(top_k=k)`)."""
+    """The head's top-k at each row with a label, read off the loss's logits (`head_loss(top_k=k)`)."""
     ids: torch.Tensor  # (n, k) torch.topk's order: DFlash 2's served candidates (vLLM's get_top_k_tokens)
     logits: torch.Tensor  # (n, k) float32, their raw logits (topk's values, before any multiplier or cap)
     label_logits: torch.Tensor  # (n,) float32, the label's raw logit
 
 
-def _head_chunk(x, w, labels, wts, soft, pred_out, grad_out, ce_out=None, top_out=None, full=None) -> torch.Tensor:
-    """One row chunk: writes the argmax into pred_out, if given d(sum w * ce)/dx into grad_out, each
-    row's ce into ce_out and its top-k (`HeadTopK`, k its width) into top_out; returns sum w * ce. The
-    softmax runs in place on the float32 logits (torch.logsumexp would allocate another (r, V)), so they
-    are the only vocabulary-sized tensor besides the compute-dtype matmul output and input; all die when
-    this returns. With `full` ((the target's final states of these rows, KL weight, L1 weight, top-1
-    out): target_full) the loss is `_distill_rows`'s, against the rows' target distribution, and the
-    labels that top_out's label logit reads are the target's top-1."""
-    teacher = None
-    if full is not None:  # first: its top-1 is the label that top_out's label logit reads
-        teacher = (full[0] @ w.T).float()  # the target's logits; a bf16 matmul output dies here
+class HeadLoss(NamedTuple):
+    """What `head_loss` returns."""
+    loss: torch.Tensor  # () float32 sum of w * the slot's loss, differentiable w.r.t. hidden, not normalised
+    metrics: StepMetrics
+    top: HeadTopK | None  # with top_k > 0
+    # (A, B) the labels the metrics count against: those given, or under target_full the target's top-1 at
+    # the trained slots (-100 elsewhere), which a variant's term then reads as its gold (DFlash 2's selector)
+    labels: torch.Tensor
+
+
+class _HeadRows(NamedTuple):
+    """The plain head's data at its n labelled rows, in the label mode's form."""
+    head: torch.Tensor  # (V, H) the frozen head in the compute dtype
+    labels: torch.Tensor  # (n,) hard labels (target_soft's top-1; under target_full unused)
+    weights: torch.Tensor  # (n,) float32 position weights
+    soft: tuple[torch.Tensor, torch.Tensor] | None  # target_soft: (probs, ids) (n, k)
+    full: tuple[torch.Tensor, torch.Tensor, float, float] | None  # target_full: (last, its row per row, KL w, L1 w)
+    top_k: int
+
+
+class _HeadValues(NamedTuple):
+    """The plain head's per-row results (None: not asked for in this mode)."""
+    pred: torch.Tensor  # the argmax of the drafter's logits
+    term: torch.Tensor  # the row's unweighted loss (cross-entropy or distillation): D-PACE's weights read it
+    top_ids: torch.Tensor | None  # `HeadTopK`'s three, with top_k > 0
+    top_logits: torch.Tensor | None
+    label_logits: torch.Tensor | None
+    top1: torch.Tensor | None  # target_full: the target's top-1
+
+
+class _ModeLoss(NamedTuple):
+    """A label mode's loss of a chunk's float32 logits z (r, V)."""
+    loss: torch.Tensor  # () sum of w * term
+    term: torch.Tensor  # (r,) each row's unweighted loss
+    pred: torch.Tensor  # (r,) the argmax of z
+    grad: torch.Tensor | None  # d loss / dz (r, V) float32 (in z's or the target's buffer), None without need_grad
+
+
+def _head_chunk(rows: _HeadRows, chunk: Chunk) -> ChunkLoss:
+    """One row chunk of the plain head's loss (the term `chunk_rows` runs): the logits in the compute
+    dtype, then float32 for the label mode's loss (`_ce_rows`, `_distill_rows`), whose logit gradient is
+    taken to the rows' input gradient here (d/dx = d/dz @ W). All vocabulary-sized tensors die when this
+    returns. Under target_full the target's logits come first: their top-1 is the label whose logit the
+    top-K reads."""
+    w, sl = rows.head, chunk.rows
+    x = chunk.inputs[0].to(w.dtype)
+    labels, teacher = rows.labels[sl], None
+    if rows.full is not None:
+        last, at = rows.full[0], rows.full[1][sl]
+        teacher = (last[at].to(w.dtype) @ w.T).float()  # the target's logits; a bf16 matmul output dies here
         labels = teacher.argmax(-1)
-        full[3].copy_(labels)
     raw = x @ w.T  # (r, V)
-    if top_out is not None:  # before the in-place softmax overwrites raw (it is z when already float32)
-        values, ids = raw.topk(top_out.ids.shape[1], dim=-1)  # `unary_top_k`'s topk, in the same dtype
-        top_out.ids.copy_(ids)
-        top_out.logits.copy_(values)
-        top_out.label_logits.copy_(raw.gather(1, labels[:, None])[:, 0])
+    top = _top_k(raw, rows.top_k, labels)  # before the in-place softmax overwrites raw (z when already float32)
     z = raw.float()
     del raw  # a bf16 matmul output would otherwise live beside its float32 copy to the end of the chunk
     if teacher is not None:
-        return _distill_rows(z, teacher, w, wts, full[1], full[2], pred_out, grad_out, ce_out, x.dtype)
-    at = z.gather(1, labels[:, None] if soft is None else soft[1])  # target logits, before z is overwritten
+        out = _distill_rows(z, teacher, rows.weights[sl], rows.full[2], rows.full[3], chunk.need_grad)
+    else:
+        soft = None if rows.soft is None else (rows.soft[0][sl], rows.soft[1][sl])
+        out = _ce_rows(z, labels, rows.weights[sl], soft, chunk.need_grad)
+    values = _HeadValues(out.pred, out.term, *top, labels if teacher is not None else None)
+    return ChunkLoss(out.loss, values, (out.grad.to(x.dtype) @ w,) if chunk.need_grad else ())
+
+
+def _top_k(raw: torch.Tensor, k: int, labels: torch.Tensor) -> tuple:
+    """(ids, logits, the label's logit) of `HeadTopK` for these rows, in the logits' own dtype (what
+    `unary_top_k` gives), as float32; three None without k."""
+    if not k:
+        return None, None, None
+    values, ids = raw.topk(k, dim=-1)
+    return ids, values.float(), raw.gather(1, labels[:, None])[:, 0].float()
+
+
+def _ce_rows(z, labels, wts, soft, need_grad: bool) -> _ModeLoss:
+    """data and target_argmax (one label per row) and target_soft (soft: probs and ids (r, k) of the
+    target's top-k): w * the cross-entropy of softmax(z). The softmax runs in place on z (torch.logsumexp
+    would allocate another (r, V)), which thus becomes the gradient: d(w * ce)/dz = w * (softmax * sum(p)
+    - p at the target ids)."""
+    ids = labels[:, None] if soft is None else soft[1]
+    at = z.gather(1, ids)  # target logits, before z is overwritten
     top, arg = z.max(dim=-1)
-    pred_out.copy_(arg)
     e = z.sub_(top[:, None]).exp_()
     total = e.sum(-1)
     logq = at - (top + total.log())[:, None]
     ce = -logq.squeeze(1) if soft is None else -(soft[0] * logq).sum(-1)
-    if ce_out is not None:
-        ce_out.copy_(ce)
-    if grad_out is not None:  # d(w * ce)/dz = w * (softmax * sum(p) - p at the target ids), in place
+    g = None
+    if need_grad:
         p = torch.ones_like(at) if soft is None else soft[0]
         g = e.mul_((wts * p.sum(-1) / total)[:, None])
-        g.scatter_add_(1, labels[:, None] if soft is None else soft[1], -p * wts[:, None])
-        grad_out.copy_(g.to(x.dtype) @ w)
-    return (ce * wts).sum()
+        g.scatter_add_(1, ids, -p * wts[:, None])
+    return _ModeLoss((ce * wts).sum(), ce, arg, g)
 
 
-def _distill_rows(z, t, w, wts, kl_w: float, l1_w: float, pred_out, grad_out, ce_out, dtype) -> torch.Tensor:
-    """target_full's rows: z, t (r, V) float32, the drafter's and the target's logits (both overwritten);
-    returns sum_r wts_r * (kl_w * KL(p_t || q) + l1_w * ||q - p_t||_1), q = softmax(z), p_t = softmax(t),
-    writing the argmax of z into pred_out, each row's unweighted term into ce_out and, if given, the
-    gradient into grad_out: d/dz = wts * (kl_w * (q - p_t) + l1_w * q * (s - <q, s>)), s = sign(q - p_t)
-    (the L1 term's through the softmax, as models/variants/dspark_loss.py's). At most three float32 (r, V)
-    buffers live: z, t and p_t; every step is in place on them (logsumexp's own temporary comes and goes
-    before p_t exists)."""
-    pred_out.copy_(z.argmax(-1))
+def _distill_rows(z, t, wts, kl_w: float, l1_w: float, need_grad: bool) -> _ModeLoss:
+    """target_full: z, t (r, V) float32, the drafter's and the target's logits (both overwritten):
+    w * (kl_w * KL(p_t || q) + l1_w * ||q - p_t||_1), q = softmax(z), p_t = softmax(t); the gradient
+    d/dz = w * (kl_w * (q - p_t) + l1_w * q * (s - <q, s>)), s = sign(q - p_t) (`l1_softmax_grad`). At most
+    three float32 (r, V) buffers live: z, t and p_t; every step is in place on them (logsumexp's own
+    temporary comes and goes before p_t exists)."""
+    pred = z.argmax(-1)
     z.sub_(torch.logsumexp(z, -1, keepdim=True))  # log q
     t.sub_(torch.logsumexp(t, -1, keepdim=True))  # log p_t
     p = t.exp()
@@ -314,18 +308,12 @@ def _distill_rows(z, t, w, wts, kl_w: float, l1_w: float, pred_out, grad_out, ce
     d = torch.sub(q, p, out=t)  # q - p_t, in the buffer log p_t no longer needs
     if l1_w:
         term += l1_w * torch.linalg.vector_norm(d, 1, dim=-1)
-    if ce_out is not None:
-        ce_out.copy_(term)
-    if grad_out is not None:
-        if l1_w:
-            s = p.copy_(d).sign_()  # p_t is no longer needed
-            qs = (q[:, None, :] @ s[:, :, None])[:, 0, 0]  # <q, s> per row, without an (r, V) product
-            s.sub_(qs[:, None]).mul_(q).mul_(l1_w)
-            g = d.mul_(kl_w).add_(s)
-        else:
-            g = d.mul_(kl_w)
-        grad_out.copy_(g.mul_(wts[:, None]).to(dtype) @ w)
-    return (term * wts).sum()
+    g = None
+    if need_grad:
+        s = l1_softmax_grad(q, p.copy_(d).sign_(), l1_w) if l1_w else None  # p_t is no longer needed
+        g = d.mul_(kl_w) if s is None else d.mul_(kl_w).add_(s)
+        g.mul_(wts[:, None])
+    return _ModeLoss((term * wts).sum(), term, pred, g)
 
 
 def _metrics(pred: torch.Tensor, labels: torch.Tensor, loss_sum: torch.Tensor, weight_sum: torch.Tensor) -> StepMetrics:
@@ -345,60 +333,75 @@ def no_head_loss(labels: torch.Tensor, weights: torch.Tensor):
     return zero, _metrics(torch.full_like(labels, -1), labels, zero, weights.sum())
 
 
-def lm_head_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-                 soft: tuple[torch.Tensor, torch.Tensor] | None = None, rows: int = 8192,
-                 dpace_alpha: float | None = None, top_k: int = 0, full: FullTarget | None = None):
-    """The frozen LM head and the weighted cross-entropy of the plain reference (tests/oracles.py), never more than `rows` rows x V
-    logits alive at once (forward and backward).
+def _head_rows(head_weight, labels, weights, soft, full: FullTarget | None, top_k: int, sel, dt) -> _HeadRows:
+    """The loss's data at the labelled rows `sel` (flat indices into (A, B)), in the compute dtype `dt`."""
+    probs = None
+    if soft is not None:
+        k = soft[0].shape[-1]
+        probs = soft[0].reshape(-1, k)[sel].float(), soft[1].reshape(-1, k)[sel]
+    teacher = None
+    if full is not None:
+        teacher = (full.last, full.pos.reshape(-1)[sel], float(full.kl_weight), float(full.l1_weight))
+    return _HeadRows(head_weight.to(dt), labels.reshape(-1)[sel], weights.reshape(-1)[sel].float(), probs, teacher,
+                     top_k)
+
+
+def head_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+              soft: tuple[torch.Tensor, torch.Tensor] | None = None, rows: int = 8192,
+              dpace_alpha: float | None = None, top_k: int = 0, full: FullTarget | None = None) -> HeadLoss:
+    """The frozen LM head and the weighted loss of the plain reference (tests/oracles.py), never more than
+    `rows` rows x V logits alive at once (forward and backward).
 
     hidden (A, B, H): final-normed drafter states; head_weight (V, H): the target's frozen lm_head.weight;
     labels/weights (A, B) from `block_labels` (or `argmax_block_labels`; for target_soft, the top-1 labels
     of `soft_block_targets`, whose (probs, ids) (A, B, k) are `soft`). Only rows with a label (>= 0) are
-    computed. Returns (sum of w * ce as a float32 scalar differentiable w.r.t. hidden, StepMetrics): the sum
-    is not normalised, so that chunks of one batch add up; the caller divides by `loss_denominator`.
-    With `dpace_alpha` (hard labels only) each slot's weight is `weights` x its D-PACE weight
-    (`dpace_weights`, from the rows' own cross-entropy, whichever row chunk they fall in); `weights` then
-    is 1 on the trained slots. Logits are a matmul in the compute dtype (autocast's, else hidden's), then
-    float32 for the softmax. With `top_k` > 0 a third value, a `HeadTopK` of the n rows with a label in
-    their (A, B) order: the ids torch.topk gives (what `models.dflash2.unary_top_k` gives those rows in
-    the same compute dtype), their logits and the label's, read off the same chunks (no rows x V kept).
-    With `full` (objective.labels=target_full) each trained slot's loss is `FullTarget`'s, against the
-    target's whole distribution computed in the same row chunks; `labels` then only say which slots train,
-    the metrics (and the top-K's label logit) count against the target's top-1, written to `full.top1`."""
+    computed. The loss is not normalised, so that chunks of one batch add up; the caller divides by
+    `loss_denominator`. With `dpace_alpha` (hard labels only) each slot's weight is `weights` x its D-PACE
+    weight (`dpace_weights`, from the rows' own cross-entropy, whichever row chunk they fall in); `weights`
+    then is 1 on the trained slots. Logits are a matmul in the compute dtype (autocast's, else hidden's),
+    then float32 for the softmax. With `top_k` > 0, `HeadTopK` of the n rows with a label in their (A, B)
+    order: the ids torch.topk gives (what `models.dflash2.unary_top_k` gives those rows in the same compute
+    dtype), their logits and the label's, read off the same chunks (no rows x V kept). With `full`
+    (objective.labels=target_full) each trained slot's loss is `FullTarget`'s, against the target's whole
+    distribution computed in the same row chunks; `labels` then only say which slots train, and the
+    metrics (and the top-K's label logit) count against the target's top-1 (`HeadLoss.labels`)."""
     if head_weight.requires_grad:
         raise ValueError("lm_head_loss: the LM head must be frozen (its weight requires grad)")
     if rows < 1:
         raise ValueError(f"lm_head_loss: rows must be >= 1, got {rows}")
+    if dpace_alpha is not None and (soft is not None or full is not None):
+        raise ValueError("lm_head_loss: D-PACE needs hard labels (its confidence is the label's probability)")
+    if full is not None and soft is not None:
+        raise ValueError("lm_head_loss: target_full's distribution and top-k soft targets are two label modes")
     A, B, _ = hidden.shape
     sel = torch.nonzero(labels.reshape(-1) >= 0).squeeze(1)
-    lab = labels.reshape(-1)[sel]
-    wts = weights.reshape(-1)[sel].float()
-    probs = ids = None
-    if soft is not None:
-        k = soft[0].shape[-1]
-        probs, ids = soft[0].reshape(-1, k)[sel].float(), soft[1].reshape(-1, k)[sel]
-    weigh = None
-    if dpace_alpha is not None:
-        if soft is not None or full is not None:
-            raise ValueError("lm_head_loss: D-PACE needs hard labels (its confidence is the label's probability)")
-        weigh = partial(_dpace_rows, sel=sel, trained=labels >= 0, alpha=dpace_alpha)
-    teacher = None
-    if full is not None:
-        if soft is not None:
-            raise ValueError("lm_head_loss: target_full's distribution and top-k soft targets are two label modes")
-        teacher = (full.last, full.pos.reshape(-1)[sel], float(full.kl_weight), float(full.l1_weight))
-    need_grad = torch.is_grad_enabled() and hidden.requires_grad
-    loss, pred_rows, tlab, used, *top = _ChunkedHeadLoss.apply(hidden, head_weight, sel, lab, wts, probs, ids, rows,
-                                                               need_grad, weigh, top_k, teacher)
+    dt = _compute_dtype(hidden)
+    data, inputs = _head_rows(head_weight, labels, weights, soft, full, top_k, sel, dt), RowInputs((hidden,), (), sel)
+    out = chunk_rows(partial(_head_chunk, data), inputs, rows, grad_dtype=dt)
+    weight_sum = weights.sum()
+    if dpace_alpha is not None:  # weights that need every row's loss first (`rescaled`)
+        factor = _dpace_rows(out.values.term, sel, labels >= 0, dpace_alpha)
+        used = data.weights * factor
+        out, weight_sum = rescaled(out, (out.values.term * used).sum(), factor), used.sum()
+    loss = with_gradients(out, inputs)
+    v = out.values
     with torch.no_grad():
         pred = torch.full((A * B,), -1, dtype=torch.long, device=hidden.device)
-        pred[sel] = pred_rows
+        pred[sel] = v.pred
         if full is not None:  # the target's top-1 on the trained slots: what the metrics count against
             labels = labels.clone()
-            labels.view(-1)[sel] = tlab
-            full.top1 = labels
-        m = _metrics(pred.view(A, B), labels, loss.detach(), weights.sum() if weigh is None else used.sum())
-    return (loss, m, HeadTopK(*top)) if top_k > 0 else (loss, m)
+            labels.view(-1)[sel] = v.top1
+        m = _metrics(pred.view(A, B), labels, loss.detach(), weight_sum)
+    return HeadLoss(loss, m, HeadTopK(v.top_ids, v.top_logits, v.label_logits) if top_k > 0 else None, labels)
+
+
+def lm_head_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                 soft: tuple[torch.Tensor, torch.Tensor] | None = None, rows: int = 8192,
+                 dpace_alpha: float | None = None, top_k: int = 0, full: FullTarget | None = None):
+    """`head_loss` as (loss, metrics), with top_k > 0 (loss, metrics, top) (the target's top-1 under
+    target_full is `head_loss`'s `labels`)."""
+    out = head_loss(hidden, head_weight, labels, weights, soft, rows, dpace_alpha, top_k, full)
+    return (out.loss, out.metrics, out.top) if top_k > 0 else (out.loss, out.metrics)
 
 
 def _dpace_rows(ce_rows: torch.Tensor, sel: torch.Tensor, trained: torch.Tensor, alpha: float) -> torch.Tensor:

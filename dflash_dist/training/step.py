@@ -12,7 +12,7 @@ context's gradient accumulates in the leaf, and the last chunk's backward takes 
 `batch_mean` each chunk's loss is divided by the weight sum of the WHOLE batch, so the chunks add up to
 exactly the unchunked loss and gradient; without it the gradient is that of the summed weighted loss, which
 the caller divides by the whole optimizer step's weight sum (its block count under D-PACE) once it is known
-(`objective.loss_norm=step`). The LM head and cross-entropy run `loss_rows` rows at a time (`objective.lm_head_loss`).
+(`objective.loss_norm=step`). The LM head and cross-entropy run `loss_rows` rows at a time (`objective.head_loss`).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from dflash_dist.data.collate import PackedBatch
 from dflash_dist.models.drafter import DFlashDrafter, DraftSpec, anchor_seq_starts
 from dflash_dist.models.variants import LossChunk, RunProgress
 from dflash_dist.training.objective import (FullTarget, StepMetrics, argmax_block_labels, block_labels,
-                                   label_positions, lm_head_loss, loss_denominator, no_head_loss,
+                                   head_loss, label_positions, loss_denominator, no_head_loss,
                                    soft_block_targets)
 from dflash_dist.parallel.transport import TargetLabels
 
@@ -173,19 +173,18 @@ def drafter_step(model: DFlashDrafter, batch: StepBatch, settings: StepSettings,
         chunk_soft = None if soft is None else (soft[0][sl], soft[1][sl])
         chunk_full = None if full is None else FullTarget(full[0], full[1][sl], *o.full)
         # A variant's candidates (the head's top-K) come off the loss's own logits: no second head pass.
+        # target_full: the variant's term reads the target's top-1 (as target_soft's), which the loss computed
+        # (`HeadLoss.labels`); a whole-loss term (Domino) gets the data's labels (the trained slots) and
+        # computes the target's itself.
         if variant.unary_loss:
-            loss_sum, m, *top = lm_head_loss(hidden.to(head.dtype), head, labels[sl], weights[sl], chunk_soft,
-                                             rows=o.loss_rows, dpace_alpha=o.dpace_alpha, top_k=top_k,
-                                             full=chunk_full)
+            loss_sum, m, top, chunk_labels = head_loss(hidden.to(head.dtype), head, labels[sl], weights[sl],
+                                                       chunk_soft, rows=o.loss_rows, dpace_alpha=o.dpace_alpha,
+                                                       top_k=top_k, full=chunk_full)
         else:  # the variant's term is the whole loss (DSpark: its slot logits carry a bias of their own)
-            (loss_sum, m), top = no_head_loss(labels[sl], weights[sl]), []
-        # target_full: the variant's term reads the target's top-1 (as target_soft's), which the loss computed;
-        # a whole-loss term (Domino) gets the data's labels (the trained slots) and computes the target's itself.
-        chunk_labels = labels[sl] if chunk_full is None or chunk_full.top1 is None else chunk_full.top1
+            (loss_sum, m), top, chunk_labels = no_head_loss(labels[sl], weights[sl]), None, labels[sl]
         terms = LossChunk(data.input_ids, anchors[sl], chunk_labels, weights[sl], o.loss_rows, batch.features,
                           batch.progress, chunk_full)
-        loss_sum, m = variant.loss_term(model, hidden, terms, loss_sum, m, top[0] if top else None,
-                                        o.variant_options)
+        loss_sum, m = variant.loss_term(model, hidden, terms, loss_sum, m, top, o.variant_options)
         if not last:
             (loss_sum * norm).backward()
         elif leaf.grad is None:

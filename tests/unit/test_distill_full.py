@@ -13,7 +13,7 @@ from dflash_dist.models.build import build_drafter, build_target, draft_spec
 from dflash_dist.models.variants import check_objective
 from dflash_dist.parallel.transport import packet_spec, sends_final_hidden, target_label_width
 from dflash_dist.training.capture import capture_for_drafter
-from dflash_dist.training.objective import (FullTarget, anchor_generator, block_labels, draw_anchors,
+from dflash_dist.training.objective import (FullTarget, anchor_generator, block_labels, draw_anchors, head_loss,
                                             label_positions, lm_head_loss)
 
 from oracles import full_distill_loss
@@ -46,13 +46,12 @@ def test_chunked_loss_gradient_and_metrics_equal_the_full_vocabulary_computation
     assert 0 < (labels >= 0).sum() < A * (B - 1)  # some slots have no label and are skipped
     want, ref, top1 = full_distill_loss(hidden @ head.T, last[pos] @ head.T, labels, weights, kl, l1)
     (want_grad,) = torch.autograd.grad(want, hidden)
-    full = FullTarget(last, pos, kl, l1)
-    loss, m = lm_head_loss(hidden, head, labels, weights, rows=rows, full=full)
+    loss, m, _, counted = head_loss(hidden, head, labels, weights, rows=rows, full=FullTarget(last, pos, kl, l1))
     (grad,) = torch.autograd.grad(loss, hidden)
     torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-7)
     assert grad[:, 0].abs().sum() == 0 and grad.abs().sum() > 0  # slot 0 never counts; the rest do
-    assert torch.equal(full.top1, top1) and not torch.equal(top1, labels)  # the target's top-1, not the data's
+    assert torch.equal(counted, top1) and not torch.equal(top1, labels)  # the target's top-1, not the data's
     assert float(m.loss_sum) == pytest.approx(ref.loss_sum, rel=1e-5)
     assert float(m.weight_sum) == pytest.approx(ref.weight_sum, rel=1e-6)
     assert torch.equal(m.correct, ref.correct) and torch.equal(m.valid, ref.valid)
@@ -74,10 +73,10 @@ def test_a_drafter_equal_to_the_target_has_nothing_to_learn_and_a_weight_scales_
 def test_the_top_k_label_logit_is_the_targets_top1_and_the_refusals():
     hidden, head, labels, weights, last, pos = batch(2)
     full = FullTarget(last, pos, 1.0, 0.5)
-    _, _, top = lm_head_loss(hidden, head, labels, weights, rows=7, top_k=3, full=full)
+    _, _, top, counted = head_loss(hidden, head, labels, weights, rows=7, top_k=3, full=full)
     logits = (hidden @ head.T).detach()
     trained = labels >= 0
-    torch.testing.assert_close(top.label_logits, logits[trained].gather(1, full.top1[trained][:, None])[:, 0])
+    torch.testing.assert_close(top.label_logits, logits[trained].gather(1, counted[trained][:, None])[:, 0])
     torch.testing.assert_close(top.logits, logits[trained].topk(3).values)
     with pytest.raises(ValueError, match="D-PACE"):
         lm_head_loss(hidden, head, labels, weights, dpace_alpha=0.5, full=full)

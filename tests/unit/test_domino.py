@@ -219,13 +219,13 @@ def test_target_full_step_equals_the_plain_full_vocabulary_reference(batch, anch
 def test_target_full_trains_nothing_when_the_drafter_is_the_target(batch):
     """A drafter whose final and base logits are the target's at every slot (W2 zero, the states the
     target's) has a zero loss and gradient under KL and L1, and hits the target's top-1 everywhere."""
-    from dflash_dist.models.variants.domino_loss import _MixedDistill
+    from dflash_dist.models.variants.domino_loss import Distill, mixed_loss
     head = torch.randn(V, H)
     last = torch.randn(9, H)
     h = last.clone().requires_grad_()
     a = torch.randn(9, E, requires_grad=True)
     w2 = torch.zeros(V, E, requires_grad=True)
-    loss, pred, base, top1 = _MixedDistill.apply(h, a, w2, head, last, torch.rand(9) + 0.5, 4, 0.3, 1.0, 1.0, True)
+    loss, (pred, base, top1) = mixed_loss(h, a, w2, head, None, torch.rand(9) + 0.5, 0.3, 4, Distill(last, 1.0, 1.0))
     grads = torch.autograd.grad(loss, (h, a, w2))
     assert abs(float(loss.detach())) < 1e-5 and all(float(g.abs().max()) < 1e-5 for g in grads)
     assert torch.equal(pred, top1) and torch.equal(base, top1) and torch.equal(top1, (last @ head.T).argmax(-1))

@@ -13,19 +13,23 @@ head's output; its target, 1 - half the L1 distance, is the probability that a t
 drafter's slot k is accepted by the target's (the overlap of the two distributions), detached. The sum
 is not normalised: the step divides it by the step's all-reduced weight sum like the unary loss.
 
-Memory: `rows` labelled rows at a time; each chunk's gradients (into h, W1[prev] and W2) are computed
-in the forward on two float32 (rows, V) buffers, the slot's softmax and the target's, and only they are
-kept (rows x H, rows x r, V x r), as the unary loss keeps its own; the softmaxes run in float32. The
-confidence term is small (rows x (H + r)) and left to autograd. Metrics: teacher-forced argmax hits per slot, which equal greedy decoding's hits on the prefix
-that counts (a hit means the drafted token is the data token, so the next slot's prev is too).
+Memory: `rows` labelled rows at a time (the row loop of models/head_loss.py, the unary loss's too); each
+chunk's gradients (into h, W1[prev] and W2) are computed in the forward on two float32 (rows, V) buffers,
+the slot's softmax and the target's, and only they are kept (rows x H, rows x r, V x r); the softmaxes
+run in float32. The confidence term is small (rows x (H + r)) and left to autograd. Metrics:
+teacher-forced argmax hits per slot, which equal greedy decoding's hits on the prefix that counts (a hit
+means the drafted token is the data token, so the next slot's prev is too).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from dflash_dist.models.head_loss import Chunk, ChunkLoss, RowInputs, chunk_rows, with_gradients
 from dflash_dist.models.variants.base import accepted_lengths
 
 
@@ -43,50 +47,45 @@ def previous_tokens(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: 
     return input_ids[pos.clamp(max=input_ids.numel() - 1)]
 
 
-class _HeadTerms(torch.autograd.Function):
-    """sum_r w_r * (a * ce_r + b * l1_r) over the selected rows, `rows` rows of logits at a time, with
-    each row's argmax and L1 distance (non-differentiable). As the unary loss does
-    (`training.objective._ChunkedHeadLoss`), the input gradients are computed chunk by chunk in the
-    forward (in place on the chunk's two float32 (rows, V) buffers, the slot's softmax and the target's)
-    and are all that is kept: d/dz = w * (a * (p - onehot) + b * p * (s - <p, s>)), s = sign(p - p_t),
-    the L1 term's through the softmax."""
+class _DSparkRows(NamedTuple):
+    """DSpark's data at its n labelled rows, for `_dspark_chunk`."""
+    head: torch.Tensor  # (V, H) the frozen LM head
+    w2: torch.Tensor  # (V, r) the Markov head's W2 (a shared input: its gradient sums over the rows)
+    last: torch.Tensor  # (n, H) the target's final state at each row's position
+    labels: torch.Tensor  # (n,)
+    weights: torch.Tensor  # (n,) float32
+    options: DSparkOptions
 
-    @staticmethod
-    def forward(ctx, h, e, w2, head_w, last, labels, wts, rows: int, a: float, b: float, need_grad: bool):
-        n = h.shape[0]
-        loss = torch.zeros((), dtype=torch.float32, device=h.device)
-        pred = torch.empty(n, dtype=torch.long, device=h.device)
-        l1 = torch.empty(n, dtype=torch.float32, device=h.device)
-        if need_grad:
-            gh, ge, gw2 = torch.empty_like(h), torch.empty_like(e), torch.zeros_like(w2)
-        for i in range(0, n, rows):
-            j = min(n, i + rows)
-            lab, w, ek = labels[i:j, None], wts[i:j], e[i:j]
-            p = (h[i:j] @ head_w.T).float().add_(ek @ w2.T)  # the slot logits z
-            pred[i:j] = p.argmax(-1)
-            at, top = p.gather(1, lab)[:, 0], p.max(-1).values
-            p.sub_(top[:, None]).exp_()
-            total = p.sum(-1)
-            p.div_(total[:, None])  # softmax(z), in place
-            ce = top + total.log() - at
-            d = torch.softmax((last[i:j].to(head_w.dtype) @ head_w.T).float(), dim=-1).neg_().add_(p)  # p - p_t
-            l1[i:j] = d.abs().sum(-1)
-            loss += (w * (a * ce + b * l1[i:j])).sum()
-            if need_grad:
-                g = d.sign_()
-                g.sub_((p * g).sum(-1, keepdim=True)).mul_(b).add_(a).mul_(p).mul_(w[:, None])
-                g.scatter_add_(1, lab, (-a * w)[:, None])
-                gh[i:j], ge[i:j] = g.to(head_w.dtype) @ head_w, g @ w2
-                gw2.addmm_(g.T, ek)
-        ctx.mark_non_differentiable(pred, l1)
-        if need_grad:
-            ctx.save_for_backward(gh, ge, gw2)
-        return loss, pred, l1
 
-    @staticmethod
-    def backward(ctx, grad_loss, *_non_differentiable):
-        gh, ge, gw2 = ctx.saved_tensors
-        return gh * grad_loss, ge * grad_loss, gw2 * grad_loss, *([None] * 8)
+class _DSparkValues(NamedTuple):
+    pred: torch.Tensor  # (r,) the slot logits' argmax
+    l1: torch.Tensor  # (r,) ||softmax(z) - p_t||_1, which the confidence head's target reads
+
+
+def _dspark_chunk(rows: _DSparkRows, chunk: Chunk) -> ChunkLoss:
+    """One row chunk (the term `models.head_loss.chunk_rows` runs) of sum_r w_r * (a * ce_r + b * l1_r),
+    row inputs h (r, H) and e = W1[prev] (r, r'). Its gradients come from two float32 (r, V) buffers, the
+    slot's softmax p and the target's p_t, in place: d/dz = w * (a * (p - onehot) + b * p * (s - <p, s>)),
+    s = sign(p - p_t), the L1 term's through the softmax."""
+    o, sl = rows.options, chunk.rows
+    h, ek = chunk.inputs
+    lab, w, head_w = rows.labels[sl, None], rows.weights[sl], rows.head
+    p = (h @ head_w.T).float().add_(ek @ rows.w2.T)  # the slot logits z
+    pred = p.argmax(-1)
+    at, top = p.gather(1, lab)[:, 0], p.max(-1).values
+    p.sub_(top[:, None]).exp_()
+    total = p.sum(-1)
+    p.div_(total[:, None])  # softmax(z), in place
+    ce = top + total.log() - at
+    d = torch.softmax((rows.last[sl].to(head_w.dtype) @ head_w.T).float(), dim=-1).neg_().add_(p)  # p - p_t
+    l1 = d.abs().sum(-1)
+    loss = (w * (o.ce_weight * ce + o.l1_weight * l1)).sum()
+    if not chunk.need_grad:
+        return ChunkLoss(loss, _DSparkValues(pred, l1))
+    g = d.sign_()
+    g.sub_((p * g).sum(-1, keepdim=True)).mul_(o.l1_weight).add_(o.ce_weight).mul_(p).mul_(w[:, None])
+    g.scatter_add_(1, lab, (-o.ce_weight * w)[:, None])
+    return ChunkLoss(loss, _DSparkValues(pred, l1), (g.to(head_w.dtype) @ head_w, g @ rows.w2), ((g.T, ek),))
 
 
 def dspark_term(model, hidden: torch.Tensor, chunk, options: DSparkOptions):
@@ -101,18 +100,19 @@ def dspark_term(model, hidden: torch.Tensor, chunk, options: DSparkOptions):
     # The target's prediction for slot k's token is its state at anchor + k (a causal LM's next token).
     pos = (chunk.anchors[:, None] + torch.arange(B, device=hidden.device)).reshape(-1)[sel]
     h = hidden.reshape(-1, H)[sel].to(head_w.dtype)
-    labels, wts = chunk.labels.reshape(-1)[sel], chunk.weights.reshape(-1)[sel].float()
+    wts = chunk.weights.reshape(-1)[sel].float()
     markov, conf = model.markov_head, getattr(model, "confidence_head", None)
     e, w2 = markov.embed(prev), markov.markov_w2.weight
-    need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (h, e, w2))
-    loss, rows_pred, l1 = _HeadTerms.apply(h, e, w2, head_w, chunk.features[pos, -H:], labels, wts, chunk.rows,
-                                           options.ce_weight, options.l1_weight, need_grad)
+    data = _DSparkRows(head_w, w2, chunk.features[pos, -H:], chunk.labels.reshape(-1)[sel], wts, options)
+    inputs = RowInputs((h, e), (w2,))
+    out = chunk_rows(partial(_dspark_chunk, data), inputs, chunk.rows)
+    loss = with_gradients(out, inputs)
     if conf is not None:
-        accept = (1.0 - 0.5 * l1).clamp(0.0, 1.0)  # detached: the overlap of the two distributions
+        accept = (1.0 - 0.5 * out.values.l1).clamp(0.0, 1.0)  # detached: the overlap of the two distributions
         bce = F.binary_cross_entropy_with_logits(conf.logit(h, e), accept, reduction="none")
         loss = loss + options.confidence_weight * (bce * wts).sum()
     pred = torch.full((A * B,), -1, dtype=torch.long, device=hidden.device)
-    pred[sel] = rows_pred
+    pred[sel] = out.values.pred
     return loss, pred.view(A, B)
 
 
