@@ -158,7 +158,7 @@ class DominoForecast(DFlashForecast):
         (models/variants/domino_loss.py) of h (H, the compute dtype) and of the delta features (E, float32)
         and W2's (V x E, float32); each row chunk holds two float32 (rows, V) buffers (the base logits'
         softmax and the final's) beside the head matmul's output, four under target_full (p_t and a
-        scratch too: domino_loss._MixedDistill)."""
+        scratch too: domino_loss._distill_chunk)."""
         d = cfg.model.draft
         c, V, G, E, H = p.drafter_compute, s.vocab, d.gru_hidden_dim, d.domino_emb_dim, s.hidden
         saved = block_rows * (10 * 4 * G + 4 * (H + G + 2 * E) + c * H + 4 * E) + 4 * V * E
