@@ -57,3 +57,9 @@ class TokenDataset:
 def preparation_skips(ds: TokenDataset) -> dict:
     """Samples the preparation step left out, by reason (a prepared dataset's meta.json records them)."""
     return dict(getattr(ds, "meta", {}).get("skipped", {}) or {})
+
+
+def preparation_sources(ds: TokenDataset) -> list[dict]:
+    """Per input source of `data.prepare` (its path, weight, lines, draws, samples, tokens, skips), as its
+    meta.json records them; [] for a dataset prepared before mixtures or not prepared at all."""
+    return list(getattr(ds, "meta", {}).get("sources", []) or [])

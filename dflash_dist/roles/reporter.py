@@ -16,7 +16,7 @@ import torch
 from dflash_dist.checkpoints import store as checkpoint
 from dflash_dist.observe.balance import balance_advice, format_advice
 from dflash_dist.config import ConfigError, measures_tau, to_dict
-from dflash_dist.data.dataset import preparation_skips
+from dflash_dist.data.dataset import preparation_skips, preparation_sources
 from dflash_dist.data.digest import dataset_digest
 from dflash_dist.models.export import export_drafter, write_model_card
 from dflash_dist.checkpoints.files import write_json
@@ -279,6 +279,7 @@ class Reporter(NullReporter):
             "planned_batches": list(run.epoch_counts),
             "plan_digests": list(run.plan_digests),  # every epoch's plan fingerprint, as each rank logs it
             "skipped": dict(run.skipped or {}), "skipped_in_preparation": preparation_skips(run.dataset),
+            "prepared_sources": preparation_sources(run.dataset),  # per --input of data.prepare (mixtures)
             "plan_facts": dict(run.plan_facts or {}),  # long samples skipped or cut (plan/long_samples.py)
             "checkpoint": str(checkpoint) if checkpoint else None, "export": str(exported) if exported else None,
             "weights_digest": digest,  # every drafter's, compared over the group before this is written

@@ -86,6 +86,7 @@ def test_own_chat_data_prepares_and_trains(tmp_path):
     result = json.loads((run / "summary.json").read_text())
     assert result["samples"] > 0 and result["samples"] % meta["num_samples"] == 0  # every sample, each epoch
     assert all(np.isfinite(e["loss"]) for e in result["epochs"])
+    assert result["prepared_sources"] == meta["sources"]  # the run's record names what it was mixed from
 
 
 def test_no_thinking_reaches_the_workers_templates(tmp_path):
