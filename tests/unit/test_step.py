@@ -48,7 +48,7 @@ def reference_grads(model, data, feats, anchors, anchor_cu, target):
     """The plain computation: whole logits, one loss, one backward."""
     model.zero_grad(set_to_none=True)
     labels, weights, soft = batch_targets(data, target, anchors, anchor_cu, B, 7.0)
-    logits = model(feats, data.input_ids, data.cu_seqlens, data.position_ids, anchors, anchor_cu)
+    logits = model.block_logits(feats, data.input_ids, data.cu_seqlens, data.position_ids, anchors, anchor_cu)
     loss, m = dflash_loss(logits, labels, weights, soft)
     loss.backward()
     return {k: p.grad.clone() for k, p in model.named_parameters()}, m
