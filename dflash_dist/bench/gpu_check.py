@@ -528,7 +528,8 @@ def section_grads(rep: Report, dry: bool, deadline: float) -> None:
 
 def section_overlap(rep: Report, dry: bool, deadline: float) -> None:
     from dflash_dist.bench.gpu_overlap import section_overlap as run
-    run(rep, dry, deadline)
+    cfg = reference_config(dry)
+    run(rep, dry, deadline, cfg, plan_batches(cfg, dry)[0]["mean"])
 
 
 def section_cost(rep: Report, dry: bool, deadline: float) -> None:

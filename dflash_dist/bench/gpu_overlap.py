@@ -86,12 +86,12 @@ def _time(fn, model, reps: int, dev) -> float:
     return statistics.median(times)
 
 
-def _rank(rank: int, world: int, store: str, dry: bool, out: str) -> None:
-    """One rank of the section: the reference drafter under DDP, the four cases timed; rank 0 writes them."""
+def _rank(rank: int, world: int, store: str, dry: bool, job: tuple, out: str) -> None:
+    """One rank of the section: the reference drafter under DDP, the four cases timed; rank 0 writes them.
+    `job`: (the reference config, the batch's sequence lengths and supervised counts)."""
     import torch
     import torch.distributed as dist
 
-    from dflash_dist.bench.gpu_check import plan_batches, reference_config
     from dflash_dist.bench.gpu_setup import packed_batch, reference_drafter
     from dflash_dist.parallel.sharding import Replicas
     from dflash_dist.parallel.transport import packet_spec
@@ -105,13 +105,12 @@ def _rank(rank: int, world: int, store: str, dry: bool, out: str) -> None:
         torch.cuda.set_device(dev)
     dist.init_process_group("gloo" if dry else "nccl", init_method=store, rank=rank, world_size=world)
     try:
-        cfg = reference_config(dry)
+        cfg, (lengths, supervised) = job
         compute = torch.bfloat16 if dev.type == "cuda" else torch.float32
         torch.manual_seed(0)
         spec, model = reference_drafter(cfg, dev, compute)
         sharding = Replicas(model, dist.group.WORLD, dev)
         settings = replace(step_settings(cfg.objective, spec, drafter_autocast(dev)), batch_mean=False)
-        lengths, supervised = plan_batches(cfg, dry)[0]["mean"]
         data = packed_batch(lengths, supervised, spec.vocab_size, dev)
         anchors, anchor_cu = draw_anchors(data.loss_mask, data.cu_seqlens, cfg.objective.num_anchors,
                                           torch.Generator().manual_seed(1))
@@ -133,7 +132,8 @@ def _one_gpu(rep, dry: bool) -> None:
     rep.add("hidden share", "n/a", "one GPU: nothing to all-reduce")
 
 
-def section_overlap(rep, dry: bool, deadline: float) -> None:
+def section_overlap(rep, dry: bool, deadline: float, cfg, batch) -> None:
+    """`cfg`: gpu_check's reference config; `batch`: (lengths, supervised) of its plan's mean batch."""
     import torch
     import torch.multiprocessing as mp
 
@@ -142,7 +142,7 @@ def section_overlap(rep, dry: bool, deadline: float) -> None:
         return _one_gpu(rep, dry)
     with tempfile.TemporaryDirectory(prefix="gpu-check-overlap-") as d:
         out = os.path.join(d, "overlap.json")
-        mp.spawn(_rank, args=(world, f"file://{d}/store", dry, out), nprocs=world, join=True)
+        mp.spawn(_rank, args=(world, f"file://{d}/store", dry, (cfg, batch), out), nprocs=world, join=True)
         r = json.loads(Path(out).read_text())
     s = r["seconds"]
     rep.add("ranks", world, "gloo on CPU (dry run): the ranks share the cores" if dry else "NCCL, one rank per GPU")
