@@ -143,7 +143,6 @@ class Drafter:
                               checkpoint_layers=cfg.model.draft.checkpoint_layers)
         # Drafter 0's weights to every DDP replica, or FSDP2 shards: before the optimizer sees the parameters.
         self.sharding = make_sharding(cfg.roles.drafter_sharding, model, ctx.drafter_group, self.device)
-        self.params = self.sharding.params
         self.total_steps = self._total_steps()
         self.state = TrainState.create(model, cfg, self.total_steps)
         if run.resume_from is not None:
