@@ -1,4 +1,10 @@
-"""One drafter training step without the optimizer: forward and backward of the DFlash loss on a batch.
+"""One optimizer step of the drafters, in the order the drafter role calls it:
+
+  step_gradients  this drafter's batch (`drafter_step`: forward and backward of the loss in anchor chunks,
+                  the last chunk's backward reducing the gradients over the drafters: DDP or FSDP2), or a
+                  tail step's zero-weight step
+  reduce_stats    the step's loss, weight and block sums and metrics, summed over the drafters
+  optimizer_step  `normalise` (the one division of the reduced gradient), `clip_and_step`
 
 What a step needs is two values: the batch (`StepBatch`: the packed batch, its target features and labels,
 its anchors) and the run's frozen `StepSettings`, built by `step_settings` from `cfg.objective` and the
@@ -11,7 +17,7 @@ chunk's draft layers and loss are backwarded as soon as they are computed (their
 context's gradient accumulates in the leaf, and the last chunk's backward takes it through `fc`. With
 `batch_mean` each chunk's loss is divided by the weight sum of the WHOLE batch, so the chunks add up to
 exactly the unchunked loss and gradient; without it the gradient is that of the summed weighted loss, which
-the caller divides by the whole optimizer step's weight sum (its block count under D-PACE) once it is known
+`normalise` divides by the whole optimizer step's weight sum (its block count under D-PACE) once it is known
 (`objective.loss_norm=step`). The LM head and cross-entropy run `loss_rows` rows at a time (`objective.lm_head_loss`).
 """
 from __future__ import annotations
