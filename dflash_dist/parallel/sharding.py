@@ -82,7 +82,7 @@ class Replicas(DrafterSharding):
         # before the optimizer sees the parameters. Every parameter gets a gradient in every step (the
         # variants' heads included), so DDP need not search the graph for unused ones.
         self.module = DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None, process_group=group,
+            model, device_ids=[device.index] if device.index is not None else None, process_group=group,
             broadcast_buffers=False, gradient_as_bucket_view=True, find_unused_parameters=False)
         self.params = [p for p in model.parameters() if p.requires_grad]
 
