@@ -1,6 +1,6 @@
 """A short check of a GPU machine at the reference shape (Qwen3-8B target, 5-layer drafter), random weights.
 
-    python -m dflash_dist.bench.gpu_check [--json PATH] [--sections env,grads,drafter,target,nccl,cost,variants]
+    python -m dflash_dist.bench.gpu_check [--json PATH] [--sections env,grads,drafter,target,nccl,overlap,cost,variants]
     python -m dflash_dist.bench.gpu_check --dry-run      # tiny shapes on CPU, gloo: every section runs
 
 Each section runs in its own process (this module again, with --section NAME) in a session of its own,
@@ -28,6 +28,9 @@ first:
            NCCL send of one reference-size packet (49,152 tokens x 5 x 4096 bf16, 1.9 GiB); 3+ GPUs: the
            embedded job with 2 drafters per node and 2 epochs. Exit code, the summary's replica agreement and
            each epoch's idle drafters in its last step, and no watchdog or timeout line.
+  overlap  2+ GPUs (bench.gpu_overlap): the drafter step's gradient all-reduce under DDP against the same
+           step with one flat all-reduce after its backward, and each alone: the share of the all-reduce
+           DDP hides behind the last anchor chunk's backward (1 GPU: n/a).
   cost     the cost model's drafter:target time ratio against the real target capture and drafter step
            (bench.cost.validate_shape at two bf16 shapes, one target-heavy, one drafter-heavy, sdpa paths,
            the device's rates probed in between); outside 0.7-1.4 fails the section. With the drafter and
@@ -64,10 +67,10 @@ from dflash_dist.config import Config, TargetConfig, load_config, ranged
 
 # torch is imported where it is used: a section's process (and the hidden test section) starts in a
 # fraction of a second, and the parent process never loads what the sections measure.
-SECTIONS = ("env", "grads", "drafter", "target", "nccl", "cost", "variants")
+SECTIONS = ("env", "grads", "drafter", "target", "nccl", "overlap", "cost", "variants")
 HIDDEN = ("hang",)  # test hook: a section that never ends (tests/integration/test_bench_runs.py)
-CAPS = {"env": 30, "grads": 120, "drafter": 240, "target": 150, "nccl": 80, "cost": 60, "variants": 150,
-        "hang": 600}  # seconds; nccl: 220 on 2+ GPUs
+CAPS = {"env": 30, "grads": 120, "drafter": 240, "target": 150, "nccl": 80, "overlap": 150, "cost": 60,
+        "variants": 150, "hang": 600}  # seconds; nccl: 220 on 2+ GPUs
 BUDGET_S = {1: 470, 2: 590}  # one GPU / several (and --dry-run)
 QWEN3_8B = TargetConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
                         num_kv_heads=8, head_dim=128, rope_theta=1e6, rms_eps=1e-6)
@@ -524,6 +527,12 @@ def section_grads(rep: Report, dry: bool, deadline: float) -> None:
     run(rep, dry, deadline)
 
 
+def section_overlap(rep: Report, dry: bool, deadline: float) -> None:
+    from dflash_dist.bench.gpu_overlap import section_overlap as run
+    cfg = reference_config(dry)
+    run(rep, dry, deadline, cfg, plan_batches(cfg, dry)[0]["mean"])
+
+
 def section_cost(rep: Report, dry: bool, deadline: float) -> None:
     from dflash_dist.bench.cost import section_cost as run
     run(rep, dry, deadline)
@@ -531,7 +540,8 @@ def section_cost(rep: Report, dry: bool, deadline: float) -> None:
 
 RUNNERS: dict[str, Callable[[Report, bool, float], None]] = {
     "env": section_env, "grads": section_grads, "drafter": section_drafter, "target": section_target,
-    "cost": section_cost, "nccl": section_nccl, "variants": section_variants, "hang": section_hang}
+    "cost": section_cost, "nccl": section_nccl, "overlap": section_overlap, "variants": section_variants,
+    "hang": section_hang}
 
 
 # -- main -------------------------------------------------------------------------------------------

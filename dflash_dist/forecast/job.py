@@ -30,8 +30,9 @@ class Sharding:
     tensor_parallel: int = 1
     drafters: int = 1
     fsdp: bool = False
-    # torch DDP keeps flat gradient buckets (a second copy of the gradients). The drafter role does not
-    # use DDP (one flat-bucket all-reduce per step after the chunks, dist.all_reduce_grads), so off.
+    # torch DDP's flat gradient buckets as a second copy of the gradients. The drafter role's DDP has
+    # gradient_as_bucket_view and zeroes the gradients in place (parallel/sharding.py): its buckets are the
+    # gradients, so off.
     ddp: bool = False
     drafters_per_target: int = 1  # drafters one target replica sends to (its packets in flight)
 

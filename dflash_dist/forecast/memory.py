@@ -9,9 +9,9 @@ what autograd keeps for backward, tensor by tensor, at the worst batch of the re
            of the synthetic corpus) the rest of the target's weights, the fused context and what its backward keeps, the
            labels; then per anchor chunk: the draft layers' saved activations (block rows, and the
            context rows every layer projects again), the larger of the loss chunk (loss_rows x V float32
-           logits, plus their compute-dtype copy) and the backward's temporaries; allocator slack. The
-           gradient all-reduce's flat bucket (dist.all_reduce_grads) and AdamW's temporaries come after
-           the chunks' activations are freed, far below this peak, and are left out.
+           logits, plus their compute-dtype copy) and the backward's temporaries; allocator slack. DDP's
+           gradient buckets are the gradients themselves (gradient_as_bucket_view), and AdamW's
+           temporaries come after the chunks' activations are freed, far below this peak: left out.
   target   weights (compute dtype; a tensor-parallel replica's ranks each hold 1/tensor_parallel of them,
            save the norms and MoE routers, which every rank holds whole), the capture's transient
            activations at the batch's token count (a dense MLP, or a mixture-of-experts block: Qwen3-MoE,

@@ -136,13 +136,16 @@ class DFlashDrafter(nn.Module):
             features = features.to(self.fc.weight.dtype)
         return self.hidden_norm(self.fc(features))
 
-    def draft_hidden(self, ctx, input_ids, position_ids, anchors, ctx_start, offset: int = 0) -> torch.Tensor:
-        """Final-normed hidden states (A, B, H) of the blocks at `anchors` (packed indices).
+    def forward(self, ctx, input_ids, position_ids, anchors, ctx_start, *, offset: int = 0) -> torch.Tensor:
+        """Final-normed hidden states (A, B, H) of the blocks at `anchors` (packed indices): one anchor
+        chunk of the training step (`training.step.drafter_step` calls the module, so that DDP's reducer
+        and FSDP's gathers wrap it), and the decoders' draft pass (`draft_hidden`).
 
         ctx: rows [offset, offset + len(ctx)) of the fused context (`context`), which must hold every row
         these blocks see; ctx_start: (A,) first packed index of each anchor's sequence. Block j is
         [token at anchor j, MASK x (B-1)] at positions anchor_j + k and sees context rows
-        [ctx_start[j], anchors[j]). Anchors may be any subset of a batch's (a chunk)."""
+        [ctx_start[j], anchors[j]). Anchors may be any subset of a batch's (a chunk). `offset` is keyword
+        only: a call with the one-pass signature of `block_logits` (six positional) fails, not misreads."""
         s = self.spec
         B, dev, n = s.block_size, anchors.device, ctx.shape[0]
         block_ids = torch.full((anchors.numel(), B), s.mask_token_id, dtype=torch.long, device=dev)
@@ -160,17 +163,22 @@ class DFlashDrafter(nn.Module):
                 x = layer(x, ctx, blk_rope, ctx_rope, lo, hi, prepared)
         return self.norm(x)
 
-    def forward(self, features, input_ids, cu_seqlens, position_ids, anchors, anchor_cu):
-        """Logits (A, B, V) of every block (evaluation; training goes through `dflash_dist.training.step`).
+    def draft_hidden(self, ctx, input_ids, position_ids, anchors, ctx_start, *, offset: int = 0) -> torch.Tensor:
+        """`forward` by the name the decoders, benchmarks and tests call it on a bare drafter (no
+        training wrapper around it)."""
+        return self.forward(ctx, input_ids, position_ids, anchors, ctx_start, offset=offset)
+
+    def block_logits(self, features, input_ids, cu_seqlens, position_ids, anchors, anchor_cu) -> torch.Tensor:
+        """Logits (A, B, V) of every block of a packed batch, in one pass (evaluation and the tests'
+        plain references; training goes through `dflash_dist.training.step`).
 
         features: (N, n_layers*H) target features of the packed batch; input_ids, position_ids: (N,);
         cu_seqlens: (S+1,); anchors: (A,) packed indices, sorted, grouped by sequence;
         anchor_cu: (S+1,) anchors of sequence s are anchors[anchor_cu[s]:anchor_cu[s+1]].
         """
-        hidden = self.draft_hidden(self.context(features), input_ids, position_ids, anchors,
-                                   anchor_seq_starts(cu_seqlens, anchor_cu, anchors.numel()))
+        hidden = self.forward(self.context(features), input_ids, position_ids, anchors,
+                              anchor_seq_starts(cu_seqlens, anchor_cu, anchors.numel()))
         return self._lm_head(hidden.to(self._lm_head.weight.dtype))
-
 
     def unary_candidates(self, hidden: torch.Tensor, rows: int = 8192):
         """(ids (n, K), served unary scores (n, K) float32) of final-normed rows (n, H): the head's top-K,

@@ -1,18 +1,19 @@
-"""How drafters share their work (`roles.drafter_sharding`): replicas with averaged gradients (ddp), or
-PyTorch FSDP2 shards of parameters, gradients and optimizer state (fsdp).
+"""How drafters share their work (`roles.drafter_sharding`): replicas on torch's DistributedDataParallel
+(ddp), or PyTorch FSDP2 shards of parameters, gradients and optimizer state (fsdp).
 
-Both give the training loop the same few calls:
-  begin_step / before_last_chunk   around the anchor chunks of one step (FSDP: gradients accumulate
-                                   unsharded and unreduced until the last chunk's backward reduce-scatters)
-  loss_scale / finish_grads(div)   the step's gradient = the sum over its batches / div (the step's real
-                                   batches for objective.loss_norm=batch, 1 for step: then scale_grads
-                                   divides by the step's all-reduced weight sum)
-  idle_computes                    whether a drafter without a batch in a tail step must still run a
-                                   (zero-weight) forward/backward: FSDP's gathers and reduce-scatters
-                                   are collectives, a replica's single all-reduce is not tied to compute
-  full_model_state / full_optim_state / load_full   whole (unsharded) states, the one checkpoint
-                                   format: a checkpoint of either mode resumes in either mode
-With FSDP every call that gathers is a collective over the drafters: every drafter makes it.
+Both give the training step (training/step.py) the same few things:
+  model / module                   the bare drafter (states, evaluation) / what a step calls for an anchor
+                                   chunk's forward (DDP's wrapper; the FSDP2 module itself)
+  begin_step / before_last_chunk   around the anchor chunks of one step: gradients accumulate locally
+                                   (DDP: require_backward_grad_sync off; FSDP: unsharded and unreduced)
+                                   until the last chunk, whose backward reduces them over the drafters
+  size                             the drafters; both reductions AVERAGE over them (the step scales each
+                                   batch's loss by it, so that the reduced gradient is the sum)
+  keep_grads                       zero the gradients in place after a step instead of freeing them (DDP:
+                                   they are views of its buckets, gradient_as_bucket_view)
+  full_model_state / full_optim_state / load_full   whole (unsharded) states keyed by the bare drafter's
+                                   parameter names, the one checkpoint format: either mode resumes either
+Every drafter takes part in every step's reduction, a tail step's idle drafter through a zero-weight step.
 """
 from __future__ import annotations
 
@@ -20,16 +21,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dflash_dist.parallel.dist import all_reduce_grads, broadcast_params
-
 
 class DrafterSharding:
-    """The interface the training loop calls (module docstring), and what both modes share:
-    `scale_grads` and whole (unsharded) states keyed by parameter name."""
+    """The interface the training step calls (module docstring), and what both modes share: whole
+    (unsharded) states keyed by parameter name."""
     kind = ""
-    idle_computes = False
+    keep_grads = False
     model: nn.Module
+    module: nn.Module
     params: list[nn.Parameter]
+    size: int
 
     def begin_step(self) -> None:
         """Before a step's first anchor chunk."""
@@ -38,20 +39,6 @@ class DrafterSharding:
     def before_last_chunk(self) -> None:
         """Before the step's last anchor chunk (whose backward may reduce the gradients)."""
         raise NotImplementedError
-
-    def loss_scale(self, div: int) -> float:
-        """The factor on each batch's loss that makes the reduced gradient the sum over batches / div."""
-        raise NotImplementedError
-
-    def finish_grads(self, div: int) -> None:
-        """After the step's last backward: the gradients reduced over the drafters, / div."""
-        raise NotImplementedError
-
-    def scale_grads(self, factor: float) -> None:
-        """Every gradient (a local shard under FSDP) times `factor`: the same on every drafter."""
-        for p in self.params:
-            if p.grad is not None:
-                p.grad.mul_(factor)
 
     # Whole states keyed by parameter name (torch.distributed.checkpoint's "full state dict"), in both
     # modes alike. Under FSDP every drafter gets the whole weights (the replica check, the export and
@@ -79,26 +66,31 @@ class DrafterSharding:
 
 
 class Replicas(DrafterSharding):
-    """ddp: every drafter holds the whole drafter; one flat all-reduce of the gradients per step."""
+    """ddp: every drafter holds the whole drafter, wrapped in torch's DistributedDataParallel over the
+    drafter group. Its gradients are views of DDP's buckets (no second copy); they accumulate locally
+    over a step's anchor chunks (require_backward_grad_sync off) and the last chunk's backward all-reduces
+    each bucket as soon as its gradients are ready, overlapping the rest of that backward. DDP averages:
+    the step scales each batch's loss by `size` (exact for 1 and 2 drafters: a power of two)."""
     kind = "ddp"
-    idle_computes = False
+    keep_grads = True
 
-    def __init__(self, model: nn.Module, group, src: int):
+    def __init__(self, model: nn.Module, group, device: torch.device):
+        from torch.nn.parallel import DistributedDataParallel
         self.model, self.group = model, group
+        self.size = dist.get_world_size(group)
+        # init_sync: drafter 0's weights (group rank 0: the drafter ranks are in order) to every replica,
+        # before the optimizer sees the parameters. Every parameter gets a gradient in every step (the
+        # variants' heads included), so DDP need not search the graph for unused ones.
+        self.module = DistributedDataParallel(
+            model, device_ids=[device.index] if device.index is not None else None, process_group=group,
+            broadcast_buffers=False, gradient_as_bucket_view=True, find_unused_parameters=False)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        broadcast_params(model, group, src)
 
     def begin_step(self) -> None:
-        pass
+        self.module.require_backward_grad_sync = False
 
     def before_last_chunk(self) -> None:
-        pass
-
-    def finish_grads(self, div: int) -> None:
-        all_reduce_grads(self.params, self.group, divisor=div)
-
-    def loss_scale(self, div: int) -> float:
-        return 1.0
+        self.module.require_backward_grad_sync = True
 
 
 class Shards(DrafterSharding):
@@ -108,21 +100,19 @@ class Shards(DrafterSharding):
     non-final chunks' backward), so the number of collectives does not depend on how many anchor chunks a
     drafter's batch has; the gradients are reduce-scattered once, by the last chunk's backward."""
     kind = "fsdp"
-    idle_computes = True
     offload = True
 
     def __init__(self, model: nn.Module, group, device: torch.device):
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
-        self.model, self.group = model, group
-        self.size = dist.get_world_size(group)
+        self.model = self.module = model  # fully_shard changes the module in place
+        self.group, self.size = group, dist.get_world_size(group)
         mesh = DeviceMesh.from_group(group, device.type)
         for layer in model.layers:
             fully_shard(layer, mesh=mesh, reshard_after_forward=False)
         fully_shard(model, mesh=mesh, reshard_after_forward=False)
-        # The step calls these methods, not forward(): FSDP must gather around them too.
+        # The step calls `context` once per batch besides forward: FSDP must gather around it too.
         register_fsdp_forward_method(model, "context")
-        register_fsdp_forward_method(model, "draft_hidden")
         self.params = [p for p in model.parameters() if p.requires_grad]
 
     def begin_step(self) -> None:
@@ -133,16 +123,9 @@ class Shards(DrafterSharding):
         self.model.set_requires_gradient_sync(True)
         self.model.set_reshard_after_backward(True)
 
-    def loss_scale(self, div: int) -> float:
-        """FSDP averages over all drafters: scaled by size / div, the reduced gradient is the sum / div."""
-        return self.size / div
 
-    def finish_grads(self, div: int) -> None:
-        pass  # reduce-scattered (and averaged) by the last chunk's backward
-
-
-def make_sharding(kind: str, model: nn.Module, group, device: torch.device, src: int) -> DrafterSharding:
-    return Shards(model, group, device) if kind == "fsdp" else Replicas(model, group, src)
+def make_sharding(kind: str, model: nn.Module, group, device: torch.device) -> DrafterSharding:
+    return Shards(model, group, device) if kind == "fsdp" else Replicas(model, group, device)
 
 
 def total_norm(norm) -> float:

@@ -1,13 +1,10 @@
-"""Drafter role: recv features -> DFlash loss -> backward -> averaged gradients -> optimizer step.
+"""Drafter role: the epoch loop, the inbox of feature packets, and the run's start and end.
 
-Drafters train in lockstep: a global step is one batch per drafter (plan/schedule.py), and every step
-ends with one gradient: the summed weighted loss of all the step's batches divided by their all-reduced
-weight sum, or block count under D-PACE (objective.loss_norm=step; `batch`: the mean of batch means).
-Replicas all-reduce it once (and stay bitwise equal, checked at the end), FSDP2 shards reduce-scatter it
-(parallel/sharding.py). The step itself is `training.step.drafter_step` with the run's `StepSettings`;
-the optimizer step (the non-finite skip) is `TrainState.optimizer_step`. Rank 0's other duties (monitor,
-wandb, evaluation, checkpoints, export, summary) live in roles/reporter.py; every other rank gets the
-do-nothing twin.
+Drafters train in lockstep: a global step is one batch per drafter (plan/schedule.py). What one optimizer
+step does with its batch (the gradients, their reduction over the drafters, the normalisation, clip and
+step) is training/step.py's, in the order `train_step` calls it; replicas (torch DDP) stay bitwise equal,
+checked at the end. Rank 0's other duties (monitor, wandb, evaluation, checkpoints, export, summary) live
+in roles/reporter.py; every other rank gets the do-nothing twin.
 """
 from __future__ import annotations
 
@@ -28,7 +25,7 @@ from dflash_dist.data.collate import collate, warm_up_batch
 from dflash_dist.models import attention
 from dflash_dist.models.build import build_drafter
 from dflash_dist.models.variants import RunProgress
-from dflash_dist.training.objective import anchor_generator, draw_anchors, loss_denominator
+from dflash_dist.training.objective import anchor_generator, draw_anchors
 from dflash_dist.plan.epochs import BatchPlan, epoch_plan, plan_digest
 from dflash_dist.roles.reporter import evaluates, make_reporter
 from dflash_dist.training.setup import RoleResult, RunSetup
@@ -36,7 +33,8 @@ from dflash_dist.plan.schedule import EpochSchedule, Votes
 from dflash_dist.observe.monitor import device_clock
 from dflash_dist.training.stats import Diverged, StepStats
 from dflash_dist.parallel.sharding import make_sharding
-from dflash_dist.training.step import StepBatch, drafter_autocast, drafter_step, step_settings
+from dflash_dist.training.step import (StepBatch, drafter_autocast, drafter_step, optimizer_step, reduce_stats,
+                                       step_gradients, step_settings)
 from dflash_dist.parallel.stop import StopAgreement
 from dflash_dist.training.state import TrainState, weights_digest
 from dflash_dist.parallel.transport import Packet, PacketError, PendingPacket, RecvPool, packet_spec
@@ -143,10 +141,8 @@ class Drafter:
         self.D, self.j = self.layout.num_drafters, self.layout.drafter_index(ctx.rank)
         model = build_drafter(run.spec, run.target, cfg.model.draft.seed, self.device,
                               checkpoint_layers=cfg.model.draft.checkpoint_layers)
-        # Drafter 0's weights to every replica, or FSDP2 shards: before the optimizer sees the parameters.
-        self.sharding = make_sharding(cfg.roles.drafter_sharding, model, ctx.drafter_group, self.device,
-                                      src=self.layout.drafter_ranks()[0])
-        self.params = self.sharding.params
+        # Drafter 0's weights to every DDP replica, or FSDP2 shards: before the optimizer sees the parameters.
+        self.sharding = make_sharding(cfg.roles.drafter_sharding, model, ctx.drafter_group, self.device)
         self.total_steps = self._total_steps()
         self.state = TrainState.create(model, cfg, self.total_steps)
         if run.resume_from is not None:
@@ -157,7 +153,6 @@ class Drafter:
         self.packets = packet_spec(cfg, run.spec, self.device)
         pool = RecvPool() if self.device.type == "cpu" else None  # CUDA: the caching allocator is one
         self.settings = step_settings(cfg.objective, run.spec, drafter_autocast(self.device))
-        self.step_norm = not self.settings.batch_mean
         self.clock = device_clock(self.device)
         self.wait_s = self.compute_s = 0.0
         local = LocalTarget(run.target, run.dataset, tuple(run.spec.target_layer_ids), cfg.objective,
@@ -232,8 +227,8 @@ class Drafter:
 
     def _log_epoch(self, sched: EpochSchedule, plan: BatchPlan) -> None:
         idle = sched.idle()
-        tail = (f"last step has {self.D - idle} of {self.D} drafters training, {idle} idle (zero gradients; the sum "
-                f"is divided by {self.D - idle})" if idle else "none (the batches left are a multiple of the drafters)")
+        tail = (f"last step has {self.D - idle} of {self.D} drafters training, {idle} idle (a zero-weight step: "
+                "they join the gradient reduction)" if idle else "none (the batches left are a multiple of the drafters)")
         log.info("epoch %d: %d batches (plan %s), %d steps%s; tail: %s", sched.epoch + 1, sched.num_batches,
                  plan_digest(plan), sched.steps, f", resuming at batch {sched.origin}" if sched.origin else "", tail)
 
@@ -243,84 +238,67 @@ class Drafter:
 
     # -- one step ---------------------------------------------------------------------------------
     def train_step(self, sched: EpochSchedule, step: int, inbox: Inbox) -> None:
-        """Receive (or idle in a tail step), forward/backward, then the synchronised optimizer step."""
-        stats = StepStats(self.run.cfg.objective.block_size)
-        b, real = sched.batch(step, self.j), sched.real(step)
-        div = 1 if self.step_norm else real  # step: summed here, divided by the step's weight sum below
+        """Receive (or idle in a tail step), then one optimizer step (training/step.py): this drafter's
+        gradients, the stats' reduction, normalise, clip and step."""
+        stats = StepStats(self.settings.block_size)
+        b, batch = sched.batch(step, self.j), None
         t0, local0 = self.clock(), self.local_target_s()
         t1 = t0
-        self.sharding.begin_step()
         if b is not None:
             packet = inbox.take(b)
             t1 = self.clock()
             self.wait_s += t1 - t0 - (self.local_target_s() - local0)
             self.target_counters[packet_src(inbox, packet, self.run.ctx.rank)] = torch.tensor(
                 [packet.sender_compute_s, packet.sender_wait_s], dtype=torch.float64)
-            self._forward_backward(packet, sched.epoch, b, stats, self.sharding.loss_scale(div))
+            batch = self.step_batch(packet, sched.epoch, b)
+        m = step_gradients(self.sharding, batch, self.settings, self.idle_batch)
+        if m is not None:
+            stats.take_metrics(m)  # device tensors stay on the device: packed there
+            stats.tokens, stats.seqs, stats.batches = batch.data.num_tokens, batch.data.num_seqs, 1
             inbox.done(packet)
-        elif self.sharding.idle_computes:
-            self.dummy_step(scale=0.0)  # FSDP's gathers and reduce-scatters need every drafter
-        self.sharding.finish_grads(div)
         stats.wait_s, stats.compute_s = self.wait_s, self.compute_s + self.clock() - t1
         stats.save_due = int(self.reporter.save_due(self.state.totals.steps + 1))
-        total = self._reduce(stats)
-        denom = loss_denominator(self.settings.dpace_alpha is not None, total.weight_sum, total.blocks)
-        if self.step_norm and denom > 0:
-            self.sharding.scale_grads(1.0 / denom)  # every trained (token, slot), or block under D-PACE, alike
+        g = self.run.ctx.drafter_group
+        total = reduce_stats(stats, g, self.device)
+        dist.all_reduce(self.target_counters, op=dist.ReduceOp.MAX, group=g)  # the newest target counters
         self.save_due = total.save_due > 0
-        norm = self.state.optimizer_step(self.params, self.run.cfg, total.loss_sum)
+        norm = optimizer_step(self.state, self.sharding, self.settings, total, sched.real(step), self.run.cfg)
         self.compute_s += self.clock() - t1
         self.reporter.step(total, self.target_counters, self.state.scheduler.get_last_lr()[0], norm)
 
-    def _forward_backward(self, packet: Packet, epoch: int, b: int, stats: StepStats, scale: float) -> None:
+    def step_batch(self, packet: Packet, epoch: int, b: int) -> StepBatch:
         """Anchors are drawn on the host from the packet's meta (on CUDA that read waits for the packet,
         which the step needs first anyway: one synchronisation at the step's start)."""
         o, d = self.run.cfg.objective, packet.batch_data
         anchors, anchor_cu = draw_anchors(d.loss_mask, d.cu_seqlens, o.num_anchors,
                                           anchor_generator(self.run.cfg.train.seed, epoch, b))
-        m = drafter_step(self.state.model, StepBatch(d, packet.features, packet.target, anchors, anchor_cu,
-                                                     self.progress()),
-                         self.settings, scale=scale, before_last_chunk=self.sharding.before_last_chunk)
-        stats.take_metrics(m)  # device tensors stay on the device: packed there
-        stats.tokens, stats.seqs, stats.batches = d.num_tokens, d.num_seqs, 1
+        return StepBatch(d, packet.features, packet.target, anchors, anchor_cu, self.progress())
 
     def progress(self) -> RunProgress:
         """The coming step's place in the run: steps taken (restored on resume) of the exact total."""
         return RunProgress(self.state.totals.steps, self.total_steps)
 
-    def _reduce(self, stats: StepStats) -> StepStats:
-        """Sum the step's stats over drafters (and take the newest target counters)."""
-        g = self.run.ctx.drafter_group
-        t = stats.pack(self.device)
-        dist.all_reduce(t, group=g)
-        dist.all_reduce(self.target_counters, op=dist.ReduceOp.MAX, group=g)
-        return StepStats.unpack(t, stats.block_size)
-
     # -- start and end ----------------------------------------------------------------------------
     def warm_up(self) -> None:
         """Compile the attention paths and run one step on a small batch before training; its gradients
         are dropped: nothing of it reaches the weights, the optimizer or any RNG that training uses."""
-        B, dev, spec = self.run.cfg.objective.block_size, self.device, self.run.spec
+        B, dev, spec = self.settings.block_size, self.device, self.run.spec
         attention.warm_up(dev, torch.float32, heads=spec.num_heads, kv_heads=spec.num_kv_heads,
                           head_dim=spec.head_dim, block_size=B, ops=("block",),
                           autocast_dtype=torch.bfloat16 if dev.type == "cuda" else None)
         t0 = time.perf_counter()
         self.sharding.begin_step()
-        self.dummy_step(scale=1.0)
-        for p in self.params:
-            p.grad = None
+        drafter_step(self.state.model, self.idle_batch(), replace(self.settings, anchor_chunk=1),
+                     sharding=self.sharding)
+        self.state.optimizer.zero_grad(set_to_none=not self.sharding.keep_grads)
         log.info("warm-up step done in %.1fs", time.perf_counter() - t0)
 
-    def dummy_step(self, scale: float) -> None:
-        """Forward/backward of a small fixed packed batch (the warm-up; a tail step's idle drafter under
-        FSDP, with scale 0)."""
-        B = self.run.cfg.objective.block_size
-        batch = warm_up_batch(B, self.device)
+    def idle_batch(self) -> StepBatch:
+        """A small fixed packed batch: the warm-up's, and a tail step's idle drafter's zero-weight step."""
+        batch = warm_up_batch(self.settings.block_size, self.device)
         anchors, anchor_cu = draw_anchors(batch.loss_mask, batch.cu_seqlens, 2, torch.Generator().manual_seed(0))
         feats = torch.zeros(batch.num_tokens, self.packets.feat_dim, dtype=self.packets.dtype, device=self.device)
-        drafter_step(self.state.model, StepBatch(batch, feats, None, anchors, anchor_cu, self.progress()),
-                     replace(self.settings, anchor_chunk=1), scale=scale,
-                     before_last_chunk=self.sharding.before_last_chunk)
+        return StepBatch(batch, feats, None, anchors, anchor_cu, self.progress())
 
     def save(self) -> Path | None:
         """Every drafter gathers (a collective under FSDP); rank 0 writes."""

@@ -98,7 +98,7 @@ class Reporter(NullReporter):
         lay = self.run.ctx.layout
         self.sinks.write({"kind": "plan", "step": self.progress.step, "epoch_counts": list(self.run.epoch_counts),
                           "packing": cfg.plan.packing, "token_budget": cfg.plan.token_budget,
-                          "max_seqs": cfg.plan.max_seqs, "block_size": cfg.objective.block_size,
+                          "max_seqs": cfg.plan.max_seqs, "block_size": self.run.spec.block_size,
                           "num_drafters": lay.num_drafters, "num_targets": lay.num_targets},
                          console=False, remote=False)
         from dflash_dist.forecast.cost import start_of_run  # the predicted split and throughput, before the first batch

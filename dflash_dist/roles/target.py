@@ -94,7 +94,7 @@ class Target:
 
     def warm_up(self) -> None:
         """One capture of a small packed batch before the first collective (compiles the attention)."""
-        dev, B, t = self.run.ctx.device, self.run.cfg.objective.block_size, self.run.target
+        dev, B, t = self.run.ctx.device, self.run.spec.block_size, self.run.target
         attention.warm_up(dev, next(t.parameters()).dtype, heads=t.num_heads, kv_heads=t.num_kv_heads,
                           head_dim=t.head_dim, ops=("causal",))
         capture_for_drafter(t, warm_up_batch(B, dev), self.run.spec.target_layer_ids, self.run.cfg.objective,

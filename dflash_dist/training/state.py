@@ -20,8 +20,7 @@ from torch import nn
 from dflash_dist.checkpoints import store as checkpoint
 from dflash_dist.checkpoints.store import Cursor
 from dflash_dist.config import Config, to_dict
-from dflash_dist.training.stats import Diverged, StepStats, drafting_slots
-from dflash_dist.parallel.sharding import total_norm
+from dflash_dist.training.stats import StepStats, drafting_slots
 from dflash_dist.parallel.topology import Layout
 
 log = logging.getLogger(__name__)
@@ -131,28 +130,10 @@ class TrainState:
         self.history = History(**st["history"])
 
     def optimizer_step(self, params, cfg: Config, loss_sum: float) -> float:
-        """Clip and step, unless the step's loss sum or (all-reduced, so on every drafter identical) gradient
-        norm is not finite: then the step is skipped alike everywhere, and too many such steps end the run
-        (`Diverged`). Returns the gradient norm. The run and `bench.learning` both step through here."""
-        clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-        norm = total_norm(torch.nn.utils.clip_grad_norm_(params, clip))
-        t = self.totals
-        t.steps += 1
-        if math.isfinite(norm) and math.isfinite(loss_sum):
-            self.optimizer.step()
-            t.last_finite_step = t.steps  # checkpoints are written only after such a step
-        else:
-            t.skipped_steps += 1
-            log.warning("step %d skipped: loss sum %s, gradient norm %s (%d of at most %d non-finite steps)",
-                        t.steps, loss_sum, norm, t.skipped_steps, cfg.train.max_nonfinite_steps)
-            if t.skipped_steps >= cfg.train.max_nonfinite_steps:
-                raise Diverged(f"training diverged: {t.skipped_steps} steps with a non-finite loss or "
-                               f"gradient norm (train.max_nonfinite_steps={cfg.train.max_nonfinite_steps}); lower "
-                               f"optim.lr (now {cfg.optim.lr}; a resume may change it) or check the data; no "
-                               "checkpoint or export was written from the diverged weights")
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm
+        """Clip and step (`training.step.clip_and_step`: the non-finite skip, `Diverged`); the gradient
+        norm. The run steps through `training.step.optimizer_step`, `bench.learning` through here."""
+        from dflash_dist.training.step import clip_and_step
+        return clip_and_step(self, params, cfg, loss_sum)
 
     def last_step_finite(self) -> bool:
         return self.totals.last_finite_step == self.totals.steps

@@ -1,4 +1,10 @@
-"""One drafter training step without the optimizer: forward and backward of the DFlash loss on a batch.
+"""One optimizer step of the drafters, in the order the drafter role calls it:
+
+  step_gradients  this drafter's batch (`drafter_step`: forward and backward of the loss in anchor chunks,
+                  the last chunk's backward reducing the gradients over the drafters: DDP or FSDP2), or a
+                  tail step's zero-weight step
+  reduce_stats    the step's loss, weight and block sums and metrics, summed over the drafters
+  optimizer_step  `normalise` (the one division of the reduced gradient), `clip_and_step`
 
 What a step needs is two values: the batch (`StepBatch`: the packed batch, its target features and labels,
 its anchors) and the run's frozen `StepSettings`, built by `step_settings` from `cfg.objective` and the
@@ -11,25 +17,32 @@ chunk's draft layers and loss are backwarded as soon as they are computed (their
 context's gradient accumulates in the leaf, and the last chunk's backward takes it through `fc`. With
 `batch_mean` each chunk's loss is divided by the weight sum of the WHOLE batch, so the chunks add up to
 exactly the unchunked loss and gradient; without it the gradient is that of the summed weighted loss, which
-the caller divides by the whole optimizer step's weight sum (its block count under D-PACE) once it is known
+`normalise` divides by the whole optimizer step's weight sum (its block count under D-PACE) once it is known
 (`objective.loss_norm=step`). The LM head and cross-entropy run `loss_rows` rows at a time (`objective.head_loss`).
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, replace
+import logging
+import math
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
-from dflash_dist.config import ObjectiveConfig
+from dflash_dist.config import Config, ObjectiveConfig
 from dflash_dist.data.collate import PackedBatch
 from dflash_dist.models.drafter import DFlashDrafter, DraftSpec, anchor_seq_starts
 from dflash_dist.models.variants import LossChunk, RunProgress
 from dflash_dist.training.objective import (FullTarget, StepMetrics, argmax_block_labels, block_labels,
                                    head_loss, label_positions, loss_denominator, no_head_loss,
                                    soft_block_targets)
+from dflash_dist.parallel.sharding import DrafterSharding, total_norm
 from dflash_dist.parallel.transport import TargetLabels
+from dflash_dist.training.stats import Diverged, StepStats
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -129,12 +142,14 @@ def final_state_targets(model: DFlashDrafter, features: torch.Tensor, anchors: t
 
 
 def drafter_step(model: DFlashDrafter, batch: StepBatch, settings: StepSettings, *, scale: float = 1.0,
-                 before_last_chunk: Callable[[], None] | None = None) -> StepMetrics:
+                 sharding: DrafterSharding | None = None) -> StepMetrics:
     """Forward + backward of one batch; gradients accumulate in the parameters' .grad: those of
     `scale` x the batch's weighted loss, its mean (sum / `loss_denominator`: the batch's weight sum, or
-    its anchors under D-PACE) with `settings.batch_mean`, else its sum. `before_last_chunk()` runs before
-    the last chunk (FSDP: reduce its gradients in that backward)."""
+    its anchors under D-PACE) with `settings.batch_mean`, else its sum. With the drafters' `sharding`
+    each chunk's draft layers run through its module (DDP's wrapper: its reducer is prepared in forward)
+    and its `before_last_chunk()` runs before the last chunk, whose backward reduces the gradients."""
     o, data, variant = settings, batch.data, model.variant
+    forward = model if sharding is None else sharding.module
     A = batch.anchors.numel()
     if A == 0:
         raise ValueError("a batch without any anchor reached the drafter step (the plan must skip such samples)")
@@ -159,8 +174,8 @@ def drafter_step(model: DFlashDrafter, batch: StepBatch, settings: StepSettings,
     parts = []
     for a in bounds:
         sl, last = slice(a, a + chunk), a == bounds[-1]
-        if last and before_last_chunk is not None:
-            before_last_chunk()
+        if last and sharding is not None:
+            sharding.before_last_chunk()
         # The chunk's blocks see context rows [its first sequence's start, its last anchor) only: anchors
         # are in packed order, so that range is all the draft layers need to project to keys and values.
         lo = int(host_starts[a])
@@ -168,8 +183,8 @@ def drafter_step(model: DFlashDrafter, batch: StepBatch, settings: StepSettings,
         with autocast:
             # The last chunk reads the context itself: one backward then covers it, the accumulated
             # gradient of the earlier chunks and fc + hidden_norm.
-            hidden = model.draft_hidden((ctx if last else leaf)[lo:hi], data.input_ids, data.position_ids,
-                                        anchors[sl], starts[sl], offset=lo)
+            hidden = forward((ctx if last else leaf)[lo:hi], data.input_ids, data.position_ids, anchors[sl],
+                             starts[sl], offset=lo)
         chunk_soft = None if soft is None else (soft[0][sl], soft[1][sl])
         chunk_full = None if full is None else FullTarget(full[0], full[1][sl], *o.full)
         # A variant's candidates (the head's top-K) come off the loss's own logits: no second head pass.
@@ -193,3 +208,79 @@ def drafter_step(model: DFlashDrafter, batch: StepBatch, settings: StepSettings,
             torch.autograd.backward([loss_sum * norm, ctx], [None, leaf.grad])
         parts.append(m)
     return merge_metrics(parts)
+
+
+# -- one optimizer step of the drafters: gradients, reduce, normalise, clip and step -----------------
+
+def step_gradients(sharding: DrafterSharding, batch: StepBatch | None, settings: StepSettings,
+                   idle: Callable[[], StepBatch]) -> StepMetrics | None:
+    """This drafter's part of one optimizer step's gradient, reduced over the drafters by the last anchor
+    chunk's backward. Both reductions (DDP's all-reduce, FSDP's reduce-scatter) average over the
+    drafters, so each batch's loss is scaled by their number: the reduced gradient is the step's sum,
+    which `normalise` divides. In a tail step without a batch (None) the drafter still joins the
+    reduction, with the zero-weight step on `idle()` (a small fixed batch, one anchor a chunk)."""
+    sharding.begin_step()
+    if batch is None:
+        drafter_step(sharding.model, idle(), replace(settings, anchor_chunk=1), scale=0.0, sharding=sharding)
+        return None
+    return drafter_step(sharding.model, batch, settings, scale=float(sharding.size), sharding=sharding)
+
+
+def reduce_stats(stats: StepStats, group, device: torch.device) -> StepStats:
+    """The step's stats summed over the drafters (one all-reduce): every drafter then holds the step's
+    totals, the loss, the weight sum and the blocks `normalise` divides by among them."""
+    t = stats.pack(device)
+    dist.all_reduce(t, group=group)
+    return StepStats.unpack(t, stats.block_size)
+
+
+def normalise(params, settings: StepSettings, total: StepStats, real: int) -> None:
+    """The one normalisation of a step's reduced (summed) gradient, the same on every drafter.
+    objective.loss_norm=step: divided by the step's total weight (its blocks under D-PACE,
+    `loss_denominator`), so every trained (token, slot) of the step counts alike. loss_norm=batch: each
+    batch's loss was already its own mean (drafter_step); the sum is divided by the step's `real`
+    batches (an idle drafter's zero-weight step adds nothing)."""
+    if settings.batch_mean:
+        if real > 1:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.div_(real)
+        return
+    denom = loss_denominator(settings.dpace_alpha is not None, total.weight_sum, total.blocks)
+    if denom > 0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(1.0 / denom)
+
+
+def clip_and_step(state, params, cfg: Config, loss_sum: float, keep_grads: bool = False) -> float:
+    """Clip and step `state`'s optimizer (training.state.TrainState), unless the step's loss sum or
+    (reduced, so on every drafter identical) gradient norm is not finite: then the step is skipped alike
+    everywhere, and too many such steps end the run (`Diverged`). Returns the gradient norm.
+    `keep_grads`: zeroed in place (DDP's bucket views), else freed."""
+    clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+    norm = total_norm(torch.nn.utils.clip_grad_norm_(params, clip))
+    t = state.totals
+    t.steps += 1
+    if math.isfinite(norm) and math.isfinite(loss_sum):
+        state.optimizer.step()
+        t.last_finite_step = t.steps  # checkpoints are written only after such a step
+    else:
+        t.skipped_steps += 1
+        log.warning("step %d skipped: loss sum %s, gradient norm %s (%d of at most %d non-finite steps)",
+                    t.steps, loss_sum, norm, t.skipped_steps, cfg.train.max_nonfinite_steps)
+        if t.skipped_steps >= cfg.train.max_nonfinite_steps:
+            raise Diverged(f"training diverged: {t.skipped_steps} steps with a non-finite loss or "
+                           f"gradient norm (train.max_nonfinite_steps={cfg.train.max_nonfinite_steps}); lower "
+                           f"optim.lr (now {cfg.optim.lr}; a resume may change it) or check the data; no "
+                           "checkpoint or export was written from the diverged weights")
+    state.scheduler.step()
+    state.optimizer.zero_grad(set_to_none=not keep_grads)
+    return norm
+
+
+def optimizer_step(state, sharding: DrafterSharding, settings: StepSettings, total: StepStats, real: int,
+                   cfg: Config) -> float:
+    """After `step_gradients` and `reduce_stats`: normalise, clip and step; the gradient norm."""
+    normalise(sharding.params, settings, total, real)
+    return clip_and_step(state, sharding.params, cfg, total.loss_sum, keep_grads=sharding.keep_grads)

@@ -51,6 +51,9 @@ def test_gpu_check_dry_run_reports_every_section(tmp_path, capsys):
     assert nccl["colocated epochs"] == 2
     assert nccl["colocated watchdog/timeout lines"] == 0
     assert nccl["packet/raw"] > 0
+    # The step's all-reduce under DDP, beside the same step with a flat all-reduce after it (2 gloo ranks).
+    overlap = sections["overlap"]["values"]
+    assert overlap["ranks"] == 2 and all(overlap[f"{case} s"] > 0 for case in ("compute", "serial", "ddp", "all-reduce"))
     # Every variant of the registry stepped at the drafter's shape, its seconds beside DFlash's.
     variants = sections["variants"]["values"]
     for name in VARIANTS:

@@ -10,39 +10,27 @@ import torch
 import torch.distributed as dist
 
 from dflash_dist.parallel.sharding import make_sharding
-from dflash_dist.training.objective import loss_denominator
 from dflash_dist.training.stats import StepStats
+from dflash_dist.training.step import normalise, reduce_stats, step_gradients
 
 import helpers
-from drafter_batches import ALPHA, B, assert_drafters_give, make_batch, make_model, reference_grads
+from drafter_batches import (ALPHA, B, assert_drafters_give, make_model, reference_grads, saved_grads, step_batch,
+                             step_settings_of)
 
 
 def _worker(rank, q, kind, num_batches, chunk, out):
-    """One drafter doing what `Drafter.train_step` does under loss_norm=step: its batch's summed loss,
-    the stats all-reduce, then the gradients divided by `loss_denominator` of the step's totals."""
+    """One drafter doing what `Drafter.train_step` does under loss_norm=step (training/step.py): its
+    batch's summed loss (or an idle drafter's zero-weight step), the stats all-reduce, then the gradients
+    divided by `loss_denominator` of the step's totals (`normalise`)."""
     model = make_model()
-    sh = make_sharding(kind, model, dist.group.WORLD, torch.device("cpu"), src=0)
-    sh.begin_step()
+    sh = make_sharding(kind, model, dist.group.WORLD, torch.device("cpu"))
+    settings = step_settings_of(model, anchor_chunk=chunk, dpace_alpha=ALPHA)
+    m = step_gradients(sh, step_batch(rank) if rank < num_batches else None, settings, lambda: step_batch(0))
     stats = StepStats(B)
-    if rank < num_batches:
-        data, feats, anchors, acu = make_batch(rank)
-        m = helpers.train_step(model, data, feats, None, anchors, acu, gamma=3.0, anchor_chunk=chunk,
-                         scale=sh.loss_scale(1), batch_mean=False, before_last_chunk=sh.before_last_chunk,
-                         dpace_alpha=ALPHA)
-        stats.weight_sum, stats.blocks = m.weight_sum, m.num_blocks
-    elif sh.idle_computes:  # FSDP: the idle drafter's zero-weight step joins the collectives
-        data, feats, anchors, acu = make_batch(0)
-        helpers.train_step(model, data, feats, None, anchors, acu, gamma=3.0, anchor_chunk=chunk, scale=0.0,
-                     batch_mean=False, before_last_chunk=sh.before_last_chunk, dpace_alpha=ALPHA)
-    sh.finish_grads(1)
-    t = stats.pack(torch.device("cpu"))
-    dist.all_reduce(t)
-    total = StepStats.unpack(t, B)
-    sh.scale_grads(1.0 / loss_denominator(True, total.weight_sum, total.blocks))
-    grads = {k: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
-             for k, p in model.named_parameters()}
-    if rank == 0:
-        torch.save(grads, out)
+    if m is not None:
+        stats.take_metrics(m)
+    normalise(sh.params, settings, reduce_stats(stats, dist.group.WORLD, torch.device("cpu")), num_batches)
+    saved_grads(model, rank, out)
     q.put(rank)
 
 

@@ -1,41 +1,32 @@
 """objective.loss_norm=step: the gradient of D drafters' step is that of one batch made of all their samples.
 
-Real processes (gloo), each drafter running the calls the drafter role makes: loss_scale(1), the step
-without the batch mean, finish_grads(1), then scale_grads(1 / the step's all-reduced weight sum). The
-reference is one process's plain step on the merged batch (its own weight sum). DDP and FSDP2, with an
-idle tail drafter and with anchor chunks."""
+Real processes (gloo), each drafter running the functions of one optimizer step that the drafter role
+calls (training/step.py): `step_gradients` (its batch, or an idle tail drafter's zero-weight step),
+`reduce_stats`, `normalise`. The reference is one process's plain step on the merged batch (its own weight
+sum). DDP and FSDP2, with an idle tail drafter and with anchor chunks."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from dflash_dist.parallel.sharding import make_sharding
+from dflash_dist.training.stats import StepStats
+from dflash_dist.training.step import normalise, reduce_stats, step_gradients
 
-import helpers
-from drafter_batches import assert_drafters_give, make_batch, make_model, reference_grads
+from drafter_batches import (B, assert_drafters_give, make_model, reference_grads, saved_grads, step_batch,
+                             step_settings_of)
 
 
 def _worker(rank, q, kind, num_batches, chunk, out):
     model = make_model()
-    sh = make_sharding(kind, model, dist.group.WORLD, torch.device("cpu"), src=0)
-    sh.begin_step()
-    weight = torch.zeros((), dtype=torch.float64)
-    if rank < num_batches:
-        data, feats, anchors, acu = make_batch(rank)
-        m = helpers.train_step(model, data, feats, None, anchors, acu, gamma=3.0, anchor_chunk=chunk,
-                         scale=sh.loss_scale(1), batch_mean=False, before_last_chunk=sh.before_last_chunk)
-        weight += float(m.weight_sum)
-    elif sh.idle_computes:  # FSDP: the idle drafter's zero-weight step joins the collectives
-        data, feats, anchors, acu = make_batch(0)
-        helpers.train_step(model, data, feats, None, anchors, acu, gamma=3.0, anchor_chunk=chunk, scale=0.0,
-                     batch_mean=False, before_last_chunk=sh.before_last_chunk)
-    sh.finish_grads(1)
-    dist.all_reduce(weight)
-    sh.scale_grads(1.0 / float(weight))
-    grads = {k: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
-             for k, p in model.named_parameters()}
-    if rank == 0:
-        torch.save(grads, out)
+    sh = make_sharding(kind, model, dist.group.WORLD, torch.device("cpu"))
+    settings = step_settings_of(model, anchor_chunk=chunk)
+    m = step_gradients(sh, step_batch(rank) if rank < num_batches else None, settings, lambda: step_batch(0))
+    stats = StepStats(B)
+    if m is not None:
+        stats.take_metrics(m)
+    normalise(sh.params, settings, reduce_stats(stats, dist.group.WORLD, torch.device("cpu")), num_batches)
+    saved_grads(model, rank, out)
     q.put(rank)
 
 

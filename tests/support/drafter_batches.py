@@ -31,6 +31,27 @@ def make_batch(i: int):
     return data, torch.randn(n, 2 * H, generator=gen), anchors, anchor_cu
 
 
+def step_batch(i: int):
+    """make_batch(i) as the step takes it (`training.step.StepBatch`, the data's labels)."""
+    from dflash_dist.training.step import StepBatch
+    data, feats, anchors, anchor_cu = make_batch(i)
+    return StepBatch(data, feats, None, anchors, anchor_cu)
+
+
+def step_settings_of(model, **objective):
+    """The drafters' settings in these tests: objective.loss_norm=step, gamma 3 (the reference's), and
+    `objective`'s keys (helpers.settings_of)."""
+    return helpers.settings_of(model, batch_mean=False, gamma=3.0, **objective)
+
+
+def saved_grads(model, rank: int, out) -> None:
+    """Rank 0 saves every parameter's whole gradient (an FSDP2 shard gathered) to `out`."""
+    grads = {k: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+             for k, p in model.named_parameters()}
+    if rank == 0:
+        torch.save(grads, out)
+
+
 def merged(batches):
     """One packed batch holding every batch's sequences, features and anchors."""
     shift, cu, anchors, acu = 0, [torch.zeros(1, dtype=torch.long)], [], [torch.zeros(1, dtype=torch.long)]

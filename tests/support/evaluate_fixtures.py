@@ -72,7 +72,7 @@ def train_drafter(target, spec, steps: int = 60, seed: int = 0):
         per_seq = torch.bincount(anchors // L, minlength=S)
         anchor_cu = torch.cat([torch.zeros(1, dtype=torch.long), per_seq.cumsum(0)])
         labels, weights = block_labels(ids, mask, cu, anchors, anchor_cu, spec.block_size, gamma=4.0)
-        logits = drafter(feats, ids, cu, pos, anchors, anchor_cu)
+        logits = drafter.block_logits(feats, ids, cu, pos, anchors, anchor_cu)
         loss, _ = dflash_loss(logits, labels, weights)
         opt.zero_grad()
         loss.backward()

@@ -258,17 +258,22 @@ def smol_shape(tmp_path) -> list[str]:
     return ["model.target.kind=hf", f"model.target.path={tmp_path / 'smol'}"]
 
 
-def train_step(model, data, feats, target, anchors, anchor_cu, *, scale=1.0, before_last_chunk=None,
-               batch_mean=True, dpace_alpha=None, **objective):
-    """`training.step.drafter_step` of a batch, with the settings `step_settings` builds (as every caller
-    does) from an ObjectiveConfig of these keys: `batch_mean` is `loss_norm=batch`, `dpace_alpha` D-PACE's."""
+def settings_of(model, *, batch_mean=True, dpace_alpha=None, **objective):
+    """The `StepSettings` `step_settings` builds (as every caller does) from an ObjectiveConfig of these
+    keys: `batch_mean` is `loss_norm=batch`, `dpace_alpha` D-PACE's."""
     from dflash_dist.config import ObjectiveConfig
-    from dflash_dist.training.step import StepBatch, drafter_step, step_settings
+    from dflash_dist.training.step import step_settings
     dpace = {} if dpace_alpha is None else {"position_weights": "dpace", "dpace_alpha": dpace_alpha}
     o = ObjectiveConfig(block_size=model.spec.block_size, loss_norm="batch" if batch_mean else "step",
                         **dpace, **objective)
-    return drafter_step(model, StepBatch(data, feats, target, anchors, anchor_cu), step_settings(o, model.spec),
-                        scale=scale, before_last_chunk=before_last_chunk)
+    return step_settings(o, model.spec)
+
+
+def train_step(model, data, feats, target, anchors, anchor_cu, *, scale=1.0, sharding=None, **objective):
+    """`training.step.drafter_step` of a batch, with the settings of `settings_of(model, **objective)`."""
+    from dflash_dist.training.step import StepBatch, drafter_step
+    return drafter_step(model, StepBatch(data, feats, target, anchors, anchor_cu), settings_of(model, **objective),
+                        scale=scale, sharding=sharding)
 
 
 def flip_byte(f, at=-20):

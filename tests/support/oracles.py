@@ -56,7 +56,7 @@ def full_distill_loss(logits, target_logits, labels, weights, kl_weight: float, 
 
 
 class FeatureDrafter:
-    """`evaluation.speculative`'s proposer for a module with the drafter's call signature (an oracle):
+    """`evaluation.speculative`'s proposer for a module with the drafter's `block_logits` (an oracle):
     the raw feature rows of the whole prefix at every step, a zero row for the anchor (never attended)."""
 
     def __init__(self, drafter, capacity: int = 0):
@@ -74,7 +74,7 @@ def propose_with_logits(drafter, features: torch.Tensor, seq: Sequence[int]) -> 
     """`evaluation.reference`'s proposer for such a module: the argmax of its logits after the anchor."""
     anchor, dev = len(seq) - 1, features.device
     feats = torch.cat([features[:anchor], features.new_zeros(1, features.shape[1])])
-    logits = drafter(feats, torch.tensor(list(seq), dtype=torch.long, device=dev),
+    logits = drafter.block_logits(feats, torch.tensor(list(seq), dtype=torch.long, device=dev),
                      torch.tensor([0, anchor + 1], device=dev), torch.arange(anchor + 1, device=dev),
                      torch.tensor([anchor], device=dev), torch.tensor([0, 1], device=dev))
     return logits[0, 1:].argmax(-1).tolist()

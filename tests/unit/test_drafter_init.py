@@ -34,7 +34,8 @@ def _fresh(tied: bool):
     feats = torch.randn(N, 2 * H, generator=g)
     anchors = torch.arange(8, N - B, 3)
     with torch.no_grad():
-        logits = model(feats, ids, torch.tensor([0, N]), torch.arange(N), anchors, torch.tensor([0, len(anchors)]))
+        logits = model.block_logits(feats, ids, torch.tensor([0, N]), torch.arange(N), anchors,
+                                    torch.tensor([0, len(anchors)]))
     return model, logits[:, 1:].softmax(-1)[..., SPEC.mask_token_id].mean().item()
 
 

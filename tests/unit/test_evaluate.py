@@ -31,7 +31,7 @@ def setup(block_size: int = 16, draft_layers: int = 1):
 
 
 class Oracle(nn.Module):
-    """The drafter's call interface; proposes the target's own greedy continuation (one-hot logits),
+    """The drafter's evaluation interface (`block_logits`); proposes the target's own greedy continuation (one-hot logits),
     optionally wrong at one slot. Also checks the context it is handed: exactly the target's
     features of the committed prefix (from the KV cache too, where the cached decoder runs it)."""
 
@@ -40,7 +40,7 @@ class Oracle(nn.Module):
         self.target, self.spec, self.wrong_slot = target, spec, wrong_slot
         self.calls = 0
 
-    def forward(self, features, input_ids, cu_seqlens, position_ids, anchors, anchor_cu):
+    def block_logits(self, features, input_ids, cu_seqlens, position_ids, anchors, anchor_cu):
         self.calls += 1
         B, V = self.spec.block_size, self.spec.vocab_size
         assert anchors.numel() == 1 and cu_seqlens.tolist() == [0, input_ids.numel()]

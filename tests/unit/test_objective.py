@@ -32,7 +32,7 @@ def logits(setup, feats=None, ids=None):
     f = f if feats is None else feats
     i = i if ids is None else ids
     with torch.no_grad():
-        return model(f, i, cu, position_ids(cu), a, acu)
+        return model.block_logits(f, i, cu, position_ids(cu), a, acu)
 
 
 def test_block_sees_only_context_before_its_anchor_and_its_own_block(setup):
@@ -137,7 +137,7 @@ def test_gradients_reach_only_the_drafter(setup):
     model, f, ids, cu, a, acu = setup
     mask = torch.ones(50, dtype=torch.bool)
     labels, w = block_labels(ids, mask, cu, a, acu, B, 3.0)
-    loss, _ = dflash_loss(model(f, ids, cu, position_ids(cu), a, acu), labels, w)
+    loss, _ = dflash_loss(model.block_logits(f, ids, cu, position_ids(cu), a, acu), labels, w)
     loss.backward()
     assert all(p.grad is not None for p in model.parameters())
     assert model._embed.weight.grad is None and model._lm_head.weight.grad is None

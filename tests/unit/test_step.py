@@ -48,7 +48,7 @@ def reference_grads(model, data, feats, anchors, anchor_cu, target):
     """The plain computation: whole logits, one loss, one backward."""
     model.zero_grad(set_to_none=True)
     labels, weights, soft = batch_targets(data, target, anchors, anchor_cu, B, 7.0)
-    logits = model(feats, data.input_ids, data.cu_seqlens, data.position_ids, anchors, anchor_cu)
+    logits = model.block_logits(feats, data.input_ids, data.cu_seqlens, data.position_ids, anchors, anchor_cu)
     loss, m = dflash_loss(logits, labels, weights, soft)
     loss.backward()
     return {k: p.grad.clone() for k, p in model.named_parameters()}, m
@@ -102,3 +102,61 @@ def test_a_batch_without_anchors_is_refused(batch):
     with pytest.raises(ValueError, match="without any anchor"):
         helpers.train_step(make_model(), data, feats, None, torch.zeros(0, dtype=torch.long),
                      torch.zeros(4, dtype=torch.long), gamma=7.0)
+
+
+class OneDrafterOf:
+    """The sharding interface around a bare drafter, as one of `size` drafters would see it before the
+    reduction (no process group): counts the chunk calls that go through `module` and the sync switch."""
+    keep_grads = False
+
+    def __init__(self, model, size: int):
+        self.model, self.size, self.params = model, size, list(model.parameters())
+        self.calls, self.synced = 0, []
+        self.module = self._forward
+
+    def _forward(self, *args, **kw):
+        self.calls += 1
+        return self.model(*args, **kw)
+
+    def begin_step(self):
+        self.synced.append(False)
+
+    def before_last_chunk(self):
+        self.synced.append(True)
+
+
+def test_step_gradients_scale_a_batch_by_the_drafters_and_an_idle_drafter_by_zero(batch):
+    """Both reductions average over the drafters: each batch's loss is scaled by their number, so the
+    reduced gradient is the sum; the chunks go through the sharding's module (DDP's wrapper), sync on
+    for the last one only; a drafter without a batch still backwards every parameter, with weight 0."""
+    from dflash_dist.training.step import StepBatch, step_gradients
+    data, feats, anchors, anchor_cu, _ = batch
+    model = make_model()
+    plain, _ = grads_of(model, data, feats, anchors, anchor_cu, None, anchor_chunk=4, batch_mean=False)
+    model.zero_grad(set_to_none=True)
+    sh = OneDrafterOf(model, size=3)
+    settings = helpers.settings_of(model, batch_mean=False, gamma=7.0, anchor_chunk=4)
+    m = step_gradients(sh, StepBatch(data, feats, None, anchors, anchor_cu), settings, None)
+    assert m is not None and sh.calls == -(-anchors.numel() // 4) and sh.synced == [False, True]
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, plain[k] * 3, msg=k)
+    model.zero_grad(set_to_none=True)
+    assert step_gradients(sh, None, settings, lambda: StepBatch(data, feats, None, anchors, anchor_cu)) is None
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+
+
+@pytest.mark.parametrize("mode, real, want", [("step", 2, 1 / 8.0), ("dpace", 2, 1 / 5.0), ("batch", 2, 0.5),
+                                              ("batch", 1, 1.0)])
+def test_normalise_divides_the_reduced_sum_once(mode, real, want):
+    """loss_norm=step: by the step's total weight (its blocks under D-PACE); batch: by its real batches."""
+    from dflash_dist.training.stats import StepStats
+    from dflash_dist.training.step import normalise
+    model = make_model()
+    kw = {"batch": dict(batch_mean=True), "step": dict(batch_mean=False),
+          "dpace": dict(batch_mean=False, dpace_alpha=0.5)}[mode]
+    settings = helpers.settings_of(model, **kw)
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.full_like(p, 3.0)
+    normalise(params, settings, StepStats(B, weight_sum=8.0, blocks=5), real)
+    assert all(torch.equal(p.grad, torch.full_like(p, 3.0 * want)) for p in params)
