@@ -286,7 +286,7 @@ class Drafter:
 
     def progress(self) -> RunProgress:
         """The coming step's place in the run: steps taken (restored on resume) of the exact total."""
-        return RunProgress(self.state.totals.steps, self.total_steps)
+        return self.state.progress(self.state.totals.steps)
 
     def _reduce(self, stats: StepStats) -> StepStats:
         """Sum the step's stats over drafters (and take the newest target counters)."""

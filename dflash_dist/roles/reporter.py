@@ -21,7 +21,7 @@ from dflash_dist.data.digest import dataset_digest
 from dflash_dist.models.export import export_drafter, write_model_card
 from dflash_dist.checkpoints.files import write_json
 from dflash_dist.models import attention
-from dflash_dist.models.variants import RunProgress, variant_of
+from dflash_dist.models.variants import variant_of
 from dflash_dist.observe.monitor import Monitor, Progress, Sinks
 from dflash_dist.plan.epochs import BatchPlan, plan_shape
 from dflash_dist.training.setup import RunSetup
@@ -179,7 +179,7 @@ class Reporter(NullReporter):
                           # DFlash 2, Domino: acc and accept_len above follow the drafts; the unary head's beside
                           **s.head_figures(),
                           # the step's place in a variant's schedule (Domino's lambda): t.steps counts it already
-                          **self.variant.step_figures(RunProgress(t.steps - 1, self.total_steps),
+                          **self.variant.step_figures(self.state.progress(t.steps - 1),
                                                       self.run.cfg.objective)},
                          console=False, remote=False)
 
