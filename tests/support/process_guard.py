@@ -13,8 +13,10 @@ import subprocess
 ATTEMPTS: list[str] = []  # what tried to start a process during the current test
 
 
-class StartedProcess(BaseException):
-    """A BaseException, so that an `except Exception` in the code under test cannot swallow it."""
+class StartedProcess(OSError):
+    """What a process start raises under the guard: an OSError, as a missing program is, so that code
+    which can do without one (matplotlib without fontconfig's fc-list) takes its own way round; a test
+    whose code tried still fails, the attempt being recorded (ATTEMPTS)."""
 
 
 def refuse(what: str):

@@ -24,6 +24,17 @@ def test_every_way_of_starting_a_process_is_refused(start):
     ATTEMPTS.clear()  # this test meant it
 
 
+def test_a_refusal_the_code_swallows_is_still_recorded():
+    """Code that can do without a process catches the refusal (an OSError, as a missing program): the
+    attempt stays recorded, and tests/unit/conftest.py's hook fails such a test after its call."""
+    try:
+        subprocess.run(["true"])
+    except OSError:
+        pass
+    assert ATTEMPTS == ["subprocess.Popen(['true'],)"]
+    ATTEMPTS.clear()  # this test meant it
+
+
 def test_bench_evaluate_records_the_machine_without_a_process():
     """platform.processor() runs `uname -p` on Linux: the machine comes from os.uname() instead."""
     from dflash_dist.bench.evaluate import machine_name
