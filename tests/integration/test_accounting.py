@@ -78,7 +78,7 @@ def busy_shares(target: dict, drafter: dict) -> tuple[float, float]:
 def test_the_slow_side_makes_the_other_wait_and_only_it(tmp_path, slow_target, slow_drafter):
     """The waiting side's wait share in summary.json is the share of its time it did not compute (from
     the wrapper); the slow side hardly waits; the advice names it. The injected delays make the scenario:
-    the fast side computes a fraction of the slow side's period, so it waits most of the time."""
+    the fast side computes a fraction of the slow side's period, so it waits a clear part of it."""
     summary, target, drafter = run(tmp_path, slow_target, slow_drafter)
     t_busy, d_busy = busy_shares(target, drafter)
     waiting, idle = ("drafters", "targets") if slow_target > slow_drafter else ("targets", "drafters")
@@ -86,7 +86,8 @@ def test_the_slow_side_makes_the_other_wait_and_only_it(tmp_path, slow_target, s
     stages = spent(target["capture"][1:]) / (len(target["capture"]) - 1), spent(drafter["step"]) / len(drafter["step"])
     print(f"slow {idle[:-1]}: {waiting} wait {summary['wait_' + waiting]:.3f} (truth {truth:.3f}; stages: target "
           f"{stages[0]:.3f} s, drafter {stages[1]:.3f} s), {idle} {summary['wait_' + idle]:.3f}")
-    assert truth > 0.5, truth  # the slow side's delay dominates the fast side's period
+    # the slow side's delay is most of the fast side's period: idle 0.7-0.8, 0.53 at load 10.8 (2 cores)
+    assert truth > 0.3, truth
     assert abs(summary["wait_" + waiting] - truth) < 0.05, (summary["wait_" + waiting], truth)
     assert summary["wait_" + idle] < 0.05, summary["wait_" + idle]
     assert summary["balance"]["bottleneck"] == idle
