@@ -9,6 +9,7 @@ destination on the same host (remove_stale_temps); SIGTERM, with terminate_clean
 """
 from __future__ import annotations
 
+import atexit
 import errno
 import hashlib
 import json
@@ -109,6 +110,35 @@ def remove_stale_temps(path: Path) -> list[Path]:
         done.append(tmp)
     if done:
         log.warning("removed what killed writers of %s left: %s", path, ", ".join(p.name for p in done))
+    return done
+
+
+# The temporary directories this process is writing, each registered before it is created and released
+# when its writer commits or aborts it: one that an exit interrupts where no clean-up of the writer's can
+# run (a SIGTERM raised between the mkdir and the `with` block or try that would abort it, in a
+# constructor or between two statements) is removed at exit. Keyed by path, valued by the pid that made
+# it: a forked child's exit must not remove its parent's.
+_UNFINISHED: dict[Path, int] = {}
+
+
+def _claim(tmp: Path) -> None:
+    _UNFINISHED[tmp] = os.getpid()
+
+
+def _release(tmp: Path) -> None:
+    _UNFINISHED.pop(tmp, None)
+
+
+@atexit.register
+def remove_unfinished() -> list[Path]:
+    """Remove this process's registered temporaries (at exit: SystemExit from terminate_cleanly's
+    SIGTERM included). Returns what was removed."""
+    done = []
+    for tmp, pid in list(_UNFINISHED.items()):
+        if pid == os.getpid():
+            shutil.rmtree(tmp, ignore_errors=True)
+            _release(tmp)
+            done.append(tmp)
     return done
 
 
@@ -225,6 +255,7 @@ class AtomicDir:
         else:
             remove_stale_temps(self.path)
         self.tmp = Path(tmp) if tmp is not None else temp_sibling(self.path)
+        _claim(self.tmp)  # before it exists: no moment where it exists and nothing would remove it
         self.tmp.mkdir()
 
     def __enter__(self) -> "AtomicDir":
@@ -255,6 +286,7 @@ class AtomicDir:
             if old is not None:
                 os.replace(old, self.path)  # the old one back under its name
             raise
+        _release(self.tmp)
         fsync_dir(self.path.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
@@ -262,6 +294,7 @@ class AtomicDir:
 
     def abort(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
+        _release(self.tmp)
 
 
 def file_sha256(path: str | os.PathLike) -> str:

@@ -69,8 +69,14 @@ class DatasetWriter:
         self.overwrite = overwrite
         self._dir = AtomicDir(self.out_dir, replace=overwrite)  # temporary directories never open (TMP_TAG)
         self.tmp = self._dir.tmp
-        self._files: dict[str, BinaryIO] = {n: open(self.tmp / n, "wb") for n in (TOKENS, LOSS_MASK, OFFSETS)}
-        self._files[OFFSETS].write(np.zeros(1, dtype=np.int64).tobytes())
+        self._files: dict[str, BinaryIO] = {}
+        try:  # no `with` guards the constructor: a failure here (EMFILE, SIGTERM) aborts the temporary itself
+            for name in (TOKENS, LOSS_MASK, OFFSETS):
+                self._files[name] = open(self.tmp / name, "wb")
+            self._files[OFFSETS].write(np.zeros(1, dtype=np.int64).tobytes())
+        except BaseException:
+            self.abort()
+            raise
         self.num_samples = 0
         self.num_tokens = 0
         self.num_supervised = 0

@@ -126,7 +126,9 @@ def run_hf(args, cfg, sets, rank: int, world: int, device: torch.device) -> dict
     from dflash_dist.evaluation.hf_engine import Options, run_sets
     from dflash_dist.evaluation.loading import load_for_eval
     from dflash_dist.evaluation.results import report
+    from dflash_dist.evaluation.loading import check_config_agrees, read_export_config
     target, drafter = load_for_eval(args.draft, cfg, device)
+    check_config_agrees(read_export_config(args.draft), cfg, args.overrides, args.draft)
     for s in sets:
         s.check_vocab(target.vocab_size)
     chat = make_chat(cfg, sets, args.thinking)
@@ -156,6 +158,8 @@ def run_vllm(args, cfg, sets) -> dict:
     text_cfg = AutoConfig.from_pretrained(cfg.model.target.path, local_files_only=True).get_text_config()
     # The hf engine's own checks, before any engine starts (minutes on a CPU, a GPU's memory on a node).
     check_fit(export, text_cfg.vocab_size, text_cfg.hidden_size, text_cfg.num_hidden_layers, args.draft)
+    from dflash_dist.evaluation.loading import check_config_agrees
+    check_config_agrees(export, cfg, args.overrides, args.draft)
     for s in sets:
         s.check_vocab(text_cfg.vocab_size)
     chat = make_chat(cfg, sets, args.thinking)

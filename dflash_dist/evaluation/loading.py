@@ -76,3 +76,46 @@ def load_for_eval(draft_dir: str | Path, cfg, device: torch.device):
     drafter = drafter.to(device=device, dtype=target.embed_tokens.weight.dtype).eval()
     drafter.attach_target_head(target.embed_tokens, target.lm_head)
     return target, drafter
+
+
+# The config keys that fix a drafter's shapes, by the DraftSpec field an export fixes them in. 0 or -1 of
+# a size or the mask token means "the target's" (draft_spec), never a contradiction.
+_SPEC_KEYS = {"model.draft.variant": "variant", "objective.block_size": "block_size",
+              "model.draft.num_layers": "num_layers", "model.draft.target_layer_ids": "target_layer_ids",
+              "model.draft.mask_token_id": "mask_token_id", "model.draft.intermediate_size": "intermediate_size",
+              "model.draft.num_heads": "num_heads", "model.draft.num_kv_heads": "num_kv_heads",
+              "model.draft.head_dim": "head_dim"}
+_UNSET = (0, -1, [], ())
+
+
+def _get(cfg, dotted: str):
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _as_list(v) -> list:
+    return list(v) if isinstance(v, (list, tuple)) else [v]
+
+
+def check_config_agrees(export: dict, cfg, overrides: list[str], draft_dir) -> None:
+    """The drafter's shapes come from the export: a key the user set (on the command line, or in a config
+    file away from the schema default) to another value than the export's would be silently ignored, and
+    the figures taken for a drafter other than the one the user named (a variant, a block size)."""
+    from dflash_dist.config import load_config
+    from dflash_dist.models.export import spec_from_export
+    from dflash_dist.models.variants import variant_of_export
+    spec, default = spec_from_export(export), load_config()
+    keys = dict(_SPEC_KEYS, **{f"model.draft.{f}": f for f in variant_of_export(export).spec_fields(export)
+                               if f != "variant"})
+    named = {item.split("=", 1)[0].lstrip("+~") for item in overrides or []}
+    bad = []
+    for key, field in keys.items():
+        mine, theirs = _get(cfg, key), getattr(spec, field)
+        explicit = key in named or mine != _get(default, key)
+        if explicit and mine not in _UNSET and _as_list(mine) != _as_list(theirs):
+            bad.append(f"{key}={mine} (the export's {theirs})")
+    if bad:
+        raise EvalInputError(f"--draft {draft_dir}: the export fixes the drafter, and these settings contradict it: "
+                             f"{', '.join(bad)}; drop them (the export's values are used) or pass the export "
+                             "they describe")

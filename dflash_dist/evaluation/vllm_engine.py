@@ -68,14 +68,11 @@ def speculative_config(o: VllmOptions, method: str) -> dict | None:
     return {"method": o.method, "model": o.draft, **k}
 
 
-def _llm(o: VllmOptions, method: str):
+def engine_kwargs(o: VllmOptions, method: str) -> dict:
+    """vLLM's engine arguments of a decoder (the same for `LLM` and for `EngineArgs`)."""
     import torch
-    from vllm import LLM
-    on_cpu = not torch.cuda.is_available()
     kw = dict(model=o.target, seed=0, disable_log_stats=False, max_model_len=o.max_model_len)
-    if on_cpu:
-        from dflash_dist.data.regen.vllm_cpu import note_cpu_binding
-        note_cpu_binding()
+    if not torch.cuda.is_available():
         kw.update(dtype="float32" if o.dtype == "auto" else o.dtype, kv_cache_memory_bytes=int(o.kv_cache_gib * (1 << 30)),
                   enforce_eager=True)
     else:
@@ -85,7 +82,43 @@ def _llm(o: VllmOptions, method: str):
     spec = speculative_config(o, method)
     if spec is not None:
         kw["speculative_config"] = spec
-    return LLM(**kw)
+    return kw
+
+
+def check_servable(o: VllmOptions) -> None:
+    """Ask the installed vLLM whether it serves the export here, before any engine starts (the target-only
+    engine runs first: minutes on a real target). Its own engine configuration is built and validated, as
+    `LLM` does before it starts anything: vLLM 0.32's CPU build (no Triton, so Model Runner V1) refuses
+    DSpark and DFlash 2's candidate head there ("Model Runner V1 does not support: ..."); a build or
+    machine that serves them passes. Asking vLLM, not keeping a list, follows what the installed one can do."""
+    import vllm
+    from vllm.engine.arg_utils import EngineArgs
+    try:
+        EngineArgs(**engine_kwargs(o, "dflash")).create_engine_config()
+    except ValueError as exc:  # vLLM's refusals of a configuration (pydantic's ValidationError included)
+        raise EvalInputError(f"--draft {o.draft}: the installed vLLM {vllm.__version__} cannot serve this drafter "
+                             f"(speculative method {o.method!r}) on this machine: {_reason(exc)}; measure it "
+                             "with --engine hf") from exc
+
+
+def _reason(exc: ValueError) -> str:
+    """vLLM's words: a pydantic ValidationError's messages (without its header and link), else the text."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        try:
+            return "; ".join(str(e.get("msg", "")) for e in errors())
+        except Exception:  # not pydantic's errors() after all: its text below
+            pass
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _llm(o: VllmOptions, method: str):
+    import torch
+    from vllm import LLM
+    if not torch.cuda.is_available():
+        from dflash_dist.data.regen.vllm_cpu import note_cpu_binding
+        note_cpu_binding()
+    return LLM(**engine_kwargs(o, method))
 
 
 def _shutdown(llm) -> None:
@@ -222,6 +255,7 @@ def run_sets(opts: VllmOptions, sets: list[PromptSet], chat: Chat | None,
         import vllm  # noqa: F401
     except ImportError as exc:
         raise EvalInputError("--engine vllm: vLLM is not installed (VLLM=1 bash launch/setup.sh installs it)") from exc
+    check_servable(opts)
     from dflash_dist.data.regen import reaper
     reaper.start()  # the engines' processes die with this one, however it ends (SIGKILL included: reaper.py)
     methods = ["target", *(["ngram"] if opts.baselines else []), "dflash"]

@@ -18,6 +18,7 @@ import urllib.parse
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import psutil
 import torch
@@ -273,6 +274,31 @@ def end_partial_line(path: Path) -> int:
                 "disk or a kill); ended it so new records start on a line of their own; it stays, one bad line",
                 path, lines + 1, cut)
     return 1
+
+
+SUPERSEDED = "metrics.superseded.jsonl"  # beside metrics.jsonl: records a resume redoes
+
+
+def set_aside_records(path: Path, superseded: Callable[[dict], bool]) -> list[dict]:
+    """Move the records of metrics.jsonl that `superseded` picks (those a resumed run will write again)
+    to metrics.superseded.jsonl beside it, so that metrics.jsonl holds one record per step and measurement
+    across resumes and nothing measured is thrown away. metrics.jsonl is rewritten atomically; a line that
+    is not a JSON object stays where it is. Returns the records moved."""
+    from dflash_dist.checkpoints.files import atomic_write
+    if not path.is_file():
+        return []
+    kept, moved = [], []
+    for line in path.read_text(errors="replace").splitlines(keepends=True):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            rec = None
+        (moved if isinstance(rec, dict) and superseded(rec) else kept).append((line, rec))
+    if moved:
+        with open(path.with_name(SUPERSEDED), "a") as f:
+            f.writelines(line if line.endswith("\n") else line + "\n" for line, _ in moved)
+        atomic_write(path, "".join(line for line, _ in kept))
+    return [rec for _, rec in moved]
 
 
 WANDB_MODES = choices()["wandb.mode"]

@@ -276,7 +276,7 @@ class Drafter:
 
     def progress(self) -> RunProgress:
         """The coming step's place in the run: steps taken (restored on resume) of the exact total."""
-        return RunProgress(self.state.totals.steps, self.total_steps)
+        return self.state.progress(self.state.totals.steps)
 
     # -- start and end ----------------------------------------------------------------------------
     def warm_up(self) -> None:

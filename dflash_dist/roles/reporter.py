@@ -21,8 +21,8 @@ from dflash_dist.data.digest import dataset_digest
 from dflash_dist.models.export import export_drafter, write_model_card
 from dflash_dist.checkpoints.files import write_json
 from dflash_dist.models import attention
-from dflash_dist.models.variants import RunProgress, variant_of
-from dflash_dist.observe.monitor import Monitor, Progress, Sinks
+from dflash_dist.models.variants import variant_of
+from dflash_dist.observe.monitor import SUPERSEDED, Monitor, Progress, Sinks, set_aside_records
 from dflash_dist.plan.epochs import BatchPlan, plan_shape
 from dflash_dist.training.setup import RunSetup
 from dflash_dist.plan.schedule import EpochSchedule
@@ -84,10 +84,12 @@ class Reporter(NullReporter):
         self.last_save = time.time()
         self.predicted: dict | None = None  # the cost model's seconds per batch (cost.start_of_run)
         self.epoch_totals = Totals()  # this epoch's steps so far (in this process): its means
+        self.held_taus: list[dict] = []  # a resume's tau records of its own step, until it measures them again
 
     def __enter__(self):
         cfg, h = self.run.cfg, self.state.history
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.held_taus = self._set_aside_redone() if self.run.resume_from is not None else []
         self.sinks = Sinks(self.run_dir, cfg.wandb, to_dict(cfg), run_id=h.wandb_id)
         h.wandb_id = self.sinks.run_id  # a resumed run continues the same wandb run
         dataset_digest(self.run.dataset)  # each checkpoint records it: hashed once, now, not in the first save
@@ -138,7 +140,30 @@ class Reporter(NullReporter):
         self.sinks.write({"kind": "tau", **out}, console=False)
         return out
 
+    def _set_aside_redone(self) -> list[dict]:
+        """A resume from step s redoes what the earlier process recorded after its checkpoint: its steps
+        past s, and step s's tau when the checkpoint does not hold it (a kill between the save and the
+        tau; the drafter measures it again on the same weights). Those records move to
+        metrics.superseded.jsonl, so that metrics.jsonl holds each step and each tau once. The tau
+        records of step s come back: written again by `begin_training` if this run did not measure it."""
+        s, h = self.state.totals.steps, self.state.history
+        held = {t["step"] for t in h.taus} | ({0} if h.tau_untrained else set())
+
+        def redone(rec: dict) -> bool:
+            step = rec.get("step")
+            return isinstance(step, int) and (step > s or (step == s and rec.get("kind") == "tau" and s not in held))
+        moved = set_aside_records(self.run_dir / "metrics.jsonl", redone)
+        if moved:
+            log.info("resume at step %d: %d records of the earlier process after its checkpoint moved to %s "
+                     "(this run records them again)", s, len(moved), SUPERSEDED)
+        return [r for r in moved if r.get("kind") == "tau" and r["step"] == s]
+
     def begin_training(self) -> None:
+        s = self.state.totals.steps
+        if self.held_taus and all(t["step"] != s for t in self.state.history.taus):
+            for rec in self.held_taus:  # not measured again (no tau due at s now): the earlier measurement stands
+                self.sinks.write(rec, console=False)
+        self.held_taus = []
         self.progress.started = time.time()  # rates and ETA count training time only
 
     def epoch_start(self, sched: EpochSchedule, plan: BatchPlan | None = None) -> None:
@@ -179,7 +204,7 @@ class Reporter(NullReporter):
                           # DFlash 2, Domino: acc and accept_len above follow the drafts; the unary head's beside
                           **s.head_figures(),
                           # the step's place in a variant's schedule (Domino's lambda): t.steps counts it already
-                          **self.variant.step_figures(RunProgress(t.steps - 1, self.total_steps),
+                          **self.variant.step_figures(self.state.progress(t.steps - 1),
                                                       self.run.cfg.objective)},
                          console=False, remote=False)
 

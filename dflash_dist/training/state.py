@@ -20,6 +20,7 @@ from torch import nn
 from dflash_dist.checkpoints import store as checkpoint
 from dflash_dist.checkpoints.store import Cursor
 from dflash_dist.config import Config, to_dict
+from dflash_dist.models.variants import RunProgress
 from dflash_dist.training.stats import StepStats, drafting_slots
 from dflash_dist.parallel.topology import Layout
 
@@ -88,27 +89,69 @@ def lr_lambda(total_steps: int, warmup_ratio: float, min_ratio: float):
     return f
 
 
+@dataclass(frozen=True)
+class ScheduleClock:
+    """Where the run's schedules (the learning rate's warm-up and cosine, Domino's lambda) stand: a
+    position in [0, horizon] for each optimizer step. A fresh run's position is its step (horizon = its
+    total). A resume on another layout (another drafter count: another total of steps) keeps the schedules
+    where the checkpoint left them and spreads what remains of them over the steps left: from the resumed
+    step `anchor` at position `anchor_pos`, linearly to `horizon` at the new `total`. A resume on the same
+    total is the identity (bitwise the uninterrupted run)."""
+    horizon: int  # the schedules' length: the first process's total of optimizer steps
+    total: int  # this process's total of optimizer steps
+    anchor: int = 0
+    anchor_pos: float = 0.0
+
+    def position(self, step: int) -> float:
+        if self.total == self.horizon and self.anchor_pos == self.anchor:
+            return step
+        if self.total <= self.anchor:
+            return float(self.horizon)
+        return self.anchor_pos + (step - self.anchor) * (self.horizon - self.anchor_pos) / (self.total - self.anchor)
+
+    def resumed(self, step: int, total: int) -> "ScheduleClock":
+        """This clock continued at `step` by a process of `total` steps."""
+        if total == self.total:
+            return self
+        return ScheduleClock(self.horizon, total, step, self.position(step))
+
+
 @dataclass
 class TrainState:
     model: nn.Module
     optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None
     cursor: Cursor
     totals: Totals = field(default_factory=Totals)
     history: History = field(default_factory=History)
+    clock: ScheduleClock = ScheduleClock(0, 0)
+    lr_shape: tuple[float, float] = (0.0, 0.0)  # optim.warmup_ratio, optim.min_lr_ratio
 
     @classmethod
     def create(cls, model: nn.Module, cfg: Config, total_steps: int) -> "TrainState":
         o = cfg.optim
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=o.lr,
                                 betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, o.warmup_ratio, o.min_lr_ratio))
-        return cls(model, opt, sched, Cursor(0, 0))
+        state = cls(model, opt, None, Cursor(0, 0), clock=ScheduleClock(total_steps, total_steps),
+                    lr_shape=(o.warmup_ratio, o.min_lr_ratio))
+        # A function (not a callable object), so that LambdaLR saves no state of it: the clock is saved
+        # apart and read at every step, so that a resume can continue it.
+        state.scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: state.lr_factor(step))
+        return state
+
+    def lr_factor(self, step: int) -> float:
+        return lr_lambda(self.clock.horizon, *self.lr_shape)(self.clock.position(step))
+
+    def progress(self, steps_taken: int) -> RunProgress:
+        """The place in the run of the step after `steps_taken`, as a variant's schedule reads it (Domino's
+        lambda): its position on the schedule clock, of the schedule's horizon."""
+        return RunProgress(self.clock.position(steps_taken), self.clock.horizon)
 
     def full_state(self, sharding, history: History | None = None) -> dict:
         """What a checkpoint holds, whole (a collective under FSDP: every drafter calls it)."""
         return {"drafter": sharding.full_model_state(), "optimizer": sharding.full_optim_state(self.optimizer),
                 "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state(),
+                "schedule": dataclasses.asdict(self.clock),
                 "totals": dataclasses.asdict(self.totals), "history": dataclasses.asdict(history or self.history)}
 
     def load(self, st: dict, sharding) -> None:
@@ -117,17 +160,33 @@ class TrainState:
         lrs = list(self.scheduler.base_lrs)
         sharding.load_full(self.optimizer, st["drafter"], st["optimizer"])
         self.scheduler.load_state_dict(st["scheduler"])
-        if lrs != list(self.scheduler.base_lrs):
-            self.scheduler.base_lrs = lrs
-            factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
-            for group, lr in zip(self.optimizer.param_groups, lrs):
-                group["initial_lr"], group["lr"] = lr, lr * factor
-            self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        self._continue_clock(st.get("schedule"), self.scheduler.last_epoch)
+        self.scheduler.base_lrs = lrs
+        factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        for group, lr in zip(self.optimizer.param_groups, lrs):  # the same product LambdaLR takes
+            group["initial_lr"], group["lr"] = lr, lr * factor
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
         torch.set_rng_state(st["rng"])
         totals = dict(st["totals"])
         totals.setdefault("last_finite_step", totals["steps"])  # saved before it was kept: after a finite step
         self.totals = Totals(**totals)
         self.history = History(**st["history"])
+
+    def _continue_clock(self, saved: dict | None, step: int) -> None:
+        """The schedules continue where the checkpoint left them, over this process's total of steps."""
+        total = self.clock.total
+        if saved is None:  # a checkpoint from before the clock was saved: its horizon is not known
+            log.warning("resume at step %d: the checkpoint does not record its schedule; the learning rate's "
+                        "and Domino's lambda's schedules are planned anew over %d steps", step, total)
+            return
+        old = ScheduleClock(**saved)
+        self.clock = old.resumed(step, total)
+        if self.clock != old:
+            log.warning("resume at step %d on another layout: %d optimizer steps in all where the checkpoint's "
+                        "run had %d; the learning rate's and Domino's lambda's schedules continue from the "
+                        "checkpoint's place (position %.2f of %d) and end at step %d: the rest is re-planned "
+                        "over the %d steps left", step, total, old.total, self.clock.position(step),
+                        self.clock.horizon, total, total - step)
 
     def optimizer_step(self, params, cfg: Config, loss_sum: float) -> float:
         """Clip and step (`training.step.clip_and_step`: the non-finite skip, `Diverged`); the gradient

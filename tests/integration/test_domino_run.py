@@ -4,6 +4,7 @@ evaluator decodes the export exactly with B - 1 drafts a block (SGLang's); and a
 weights, which it reaches only if its lambda schedule continues from the checkpoint's step (lambda weighs
 every step's gradient)."""
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -58,3 +59,25 @@ def test_a_domino_run_trains_exports_evaluates_and_resumes(tmp_path):
     again = res.stdout + res.stderr
     assert res.returncode == 0 and "resumed from" in again, again[-3000:]
     assert final_digest(stopped) == final_digest(whole)
+
+
+def test_a_resume_on_another_layout_continues_the_lambda_schedule(tmp_path):
+    """Stopped at step 3 of a 2-drafter run, resumed with 1 drafter (twice the steps left): the first
+    resumed step's lambda is the one the stopped run would have used there, and lambda never rises (it
+    rose 0.875 -> 0.893 before the schedules continued across layouts, issue 46 case 8); the resume says
+    the rest of the schedule was re-planned."""
+    first, _, _ = interrupt(3, JOB, tmp_path, 3, lambda p: p.send_signal(signal.SIGTERM), 90)
+    assert "exit code 75: stopped on request" in first, first[-3000:]
+    res = torchrun(3, [*JOB, "roles.drafters_per_node=1"], tmp_path, timeout=400)
+    again = res.stdout + res.stderr
+    assert res.returncode == 0, again[-3000:]
+    s0 = int(re.search(r"resumed from \S*step-(\d+)", again).group(1))
+    assert "on another layout" in again and "re-planned" in again, again[-3000:]
+    plan = next(r for r in metrics(tmp_path) if r.get("kind") == "plan" and r["num_drafters"] == 2)
+    total = sum(-(-n // 2) for n in plan["epoch_counts"])  # the stopped run's optimizer steps
+    steps = [r for r in metrics(tmp_path) if r.get("kind") == "step"]
+    assert [r["step"] for r in steps] == list(range(1, len(steps) + 1))
+    lam = [r["domino_lambda"] for r in steps]
+    fraction = ObjectiveConfig().domino_lambda_fraction
+    assert lam[s0] == pytest.approx(domino_lambda(s0, total, fraction))  # step s0 + 1: the record after s0
+    assert all(a >= b for a, b in zip(lam, lam[1:])), lam

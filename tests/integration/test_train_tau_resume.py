@@ -1,6 +1,7 @@
 """tau every 6 steps and a checkpoint every 6 steps, the job SIGKILLed right after step 6's tau record,
-then resumed (torchrun, gloo): the tau of step 6 is in summary.json, once in the report, and its two
-records in metrics.jsonl (the killed process's and the resumed one's) are of the same weights."""
+then resumed (torchrun, gloo): the tau of step 6 is in summary.json, once in the report, and once in
+metrics.jsonl (issue 46, case 13): the killed process's record, of the same weights, moved to
+metrics.superseded.jsonl, as its records of the steps after the checkpoint."""
 import json
 import os
 import re
@@ -63,7 +64,11 @@ def test_a_kill_right_after_a_checkpoints_tau_loses_and_duplicates_no_tau(tmp_pa
     run = load_run(tmp_path)
     assert [r["step"] for r in run.taus()] == want  # what the report draws
     assert [r["tau"] for r in run.taus()] == [t["tau"] for t in summary["tau_during_training"]]
-    recorded = [r for r in metrics(tmp_path) if r.get("kind") == "tau"]
-    sixes = [r for r in recorded if r["step"] == 6]
-    assert len(sixes) == 2 and sixes[0]["tau"] == sixes[1]["tau"], sixes  # measured again on the same weights
-    assert sorted({r["step"] for r in recorded}) == want
+    records = metrics(tmp_path)
+    assert [r["step"] for r in records if r.get("kind") == "tau"] == want  # one record per measured step
+    assert [r["step"] for r in records if r.get("kind") == "step"] == list(range(1, steps + 1))
+    aside = [json.loads(line) for line in (tmp_path / "metrics.superseded.jsonl").read_text().splitlines()]
+    six = [r for r in aside if r.get("kind") == "tau"]
+    assert [r["step"] for r in six] == [6], aside  # the killed process's, of the same weights as the new one
+    assert six[0]["tau"] == next(r["tau"] for r in records if r.get("kind") == "tau" and r["step"] == 6)
+    assert all(r["step"] > 6 for r in aside if r.get("kind") == "step")

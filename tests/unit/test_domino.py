@@ -268,12 +268,15 @@ def test_the_lambda_schedule():
 
 
 def test_the_run_passes_its_step_and_total():
-    """roles/drafter.py: the coming step's progress is the checkpointed step count of the exact total."""
+    """roles/drafter.py: the coming step's progress is the checkpointed step count of the exact total (on
+    the schedule clock: the identity in a run that was not resumed on another layout)."""
     from types import SimpleNamespace
 
     from dflash_dist.roles.drafter import Drafter
-    fake = SimpleNamespace(state=SimpleNamespace(totals=SimpleNamespace(steps=7)), total_steps=20)
-    assert Drafter.progress(fake) == RunProgress(7, 20)
+    from dflash_dist.training.state import ScheduleClock, TrainState
+    state = SimpleNamespace(totals=SimpleNamespace(steps=7), clock=ScheduleClock(20, 20))
+    state.progress = lambda steps: TrainState.progress(state, steps)
+    assert Drafter.progress(SimpleNamespace(state=state, total_steps=20)) == RunProgress(7, 20)
 
 
 def test_domino_config_keys_and_refusals():

@@ -34,8 +34,10 @@ def accepted_lengths(hits: torch.Tensor) -> torch.Tensor:
 class RunProgress:
     """Where a training step stands in its run, for a variant whose loss follows a schedule (Domino's
     lambda): the optimizer steps taken before it (restored on resume) and the run's exact total (0: not
-    known, a benchmark's or a test's lone step)."""
-    step: int = 0
+    known, a benchmark's or a test's lone step). A run gives its schedule clock's position and horizon
+    (training/state.py ScheduleClock): the steps themselves, unless a resume on another layout re-planned
+    the rest of the schedule, where the position is fractional."""
+    step: float = 0
     total: int = 0
 
 
