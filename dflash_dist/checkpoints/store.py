@@ -35,8 +35,8 @@ import torch
 
 from dflash_dist.checkpoints import lineage
 from dflash_dist.config import Config, ConfigError, to_dict
-from dflash_dist.checkpoints.files import TMP_TAG, AtomicDir, file_sha256, json_safe
-from dflash_dist.checkpoints.write_errors import write_error
+from dflash_dist.io.files import TMP_TAG, AtomicDir, file_sha256, json_safe
+from dflash_dist.io.write_errors import write_error
 
 log = logging.getLogger(__name__)
 
