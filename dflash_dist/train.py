@@ -31,7 +31,7 @@ from dflash_dist.plan.long_samples import (check_context, check_skipped_share, p
                                            run_dataset)
 from dflash_dist.roles.reporter import evaluates
 from dflash_dist.training.setup import RoleResult, RunSetup
-from dflash_dist.checkpoints.runlock import RunLock, check_writable
+from dflash_dist.io.runlock import RunLock, check_writable
 from dflash_dist.exits import EXIT_DIVERGED, EXIT_RESUME, record_exit_code
 from dflash_dist.training.stats import Diverged
 from dflash_dist.parallel.stop import StopFlag
