@@ -11,7 +11,7 @@ TOP_MODULES = {"__init__", "config", "exits", "train", "evaluate"}
 GROUND = {"config", "exits"}  # imported by everything, import nothing of the project
 ENTRY = {"train", "evaluate"}  # python -m entry points: nothing imports them
 # Lowest first: a folder may import the folders before it (and the ground floor), never one after it.
-LAYERS = ["io", "runtime", "checkpoints", "models", "observe", "data", "parallel", "plan", "training", "forecast", "evaluation",
+LAYERS = ["io", "runtime", "models", "observe", "data", "parallel", "plan", "checkpoints", "training", "forecast", "evaluation",
           "roles", "report", "bench"]
 
 
