@@ -3,5 +3,5 @@ one, crash-safe pruning, what a resume checks), the run directory's lineage (lin
 set-aside checkpoints). The atomic writes they use, and the lock that keeps one run per run directory,
 are io/'s.
 
-May import: io/, config.py.
+May import: plan/ (the cursor a checkpoint records), io/, config.py, exits.py.
 """

@@ -2,5 +2,5 @@
 console, JSONL, wandb), progress bars of command-line jobs (bars.py), and the role-split advice
 (balance.py). Low in the tree so that data preparation, regeneration and the benchmarks can use them too.
 
-May import: checkpoints/ (atomic writes), config.py, exits.py.
+May import: io/ (atomic writes), config.py, exits.py.
 """

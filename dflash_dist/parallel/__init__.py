@@ -3,6 +3,6 @@
 (sharding.py), and the stop flag with its in-band agreement (stop.py). (The heartbeats and the dead-peer
 watchdog are runtime/liveness.py, on the ground floor: regeneration, in data/, uses them too.)
 
-May import: data/ (the packed batch a packet carries), models/, checkpoints/, observe/, config.py,
+May import: data/ (the packed batch a packet carries), models/, observe/, runtime/, io/, config.py,
 exits.py.
 """

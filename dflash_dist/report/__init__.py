@@ -10,7 +10,7 @@ data no run has (tau when evaluation was off, say) is left out, and the page say
     plotting.py what the figures share (colours, smoothing, the time unit)
     page.py     index.html
 
-May import: io/files.py only (the output check; standard library only), so it runs on any machine.
+May import: io/ (its files.py only, standard library only), so it runs on any machine.
 """
 from __future__ import annotations
 
