@@ -2,5 +2,6 @@
 transport, memory, cost, pipeline, colocated, evaluate, regenerate) and gpu_check runs the device
 checks in sections. Speed and memory targets are met here, never in timed unit tests.
 
-May import: anything in the package (nothing imports bench/).
+May import: roles/, evaluation/, forecast/, training/, checkpoints/, plan/, parallel/, data/, models/,
+observe/, runtime/, io/, config.py, exits.py: every folder but the report's (and nothing imports these).
 """

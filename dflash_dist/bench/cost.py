@@ -26,7 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from dflash_dist.bench.common import timed
-from dflash_dist.checkpoints.files import check_output_path, write_json
+from dflash_dist.io.files import check_output_path, write_json
 from dflash_dist.forecast import cost as C
 from dflash_dist.config import ConfigError, load_config, ranged
 from dflash_dist.forecast.memory import Precision

@@ -79,7 +79,7 @@ LONG_SEQ = {False: 16_384, True: 96}  # the target batch's long sequence
 # Dense bf16 tensor-core peaks from NVIDIA's datasheets (no sparsity), in TFLOP/s.
 PEAK_TFLOPS = {"H200": 989, "H100 PCIe": 756, "H100": 989, "GH200": 989, "B200": 2250, "A100": 312, "L40S": 362,
                "A10": 125, "L4": 121}
-# A collective that timed out, or the heartbeat watchdog naming a silent or failed peer (dflash_dist.observe.liveness).
+# A collective that timed out, or the heartbeat watchdog naming a silent or failed peer (dflash_dist.runtime.liveness).
 WATCHDOG = re.compile(r"(?i)watchdog caught|collective operation timeout|timed out|went silent|exiting instead of waiting")
 
 

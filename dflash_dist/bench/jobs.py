@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dflash_dist.checkpoints.files import OutputPathError, atomic_write, check_output_dir, check_output_path
+from dflash_dist.io.files import OutputPathError, atomic_write, check_output_dir, check_output_path
 
 
 def run_job(nproc: int, overrides: list[str], timeout: float = 900) -> dict:
@@ -35,7 +35,7 @@ def run_job(nproc: int, overrides: list[str], timeout: float = 900) -> dict:
 def check_outputs(ap: argparse.ArgumentParser, args: argparse.Namespace, files: tuple[str, ...] = ("--json",),
                   dirs: tuple[str, ...] = ()) -> None:
     """Every result file (`files`) and scratch folder (`dirs`) a benchmark writes, named by its flag,
-    probed before any work (`checkpoints.files.check_output_path`: a file created and removed there, a
+    probed before any work (`io.files.check_output_path`: a file created and removed there, a
     missing folder made): one that cannot be written is argparse's usage error naming the flag, exit 2,
     instead of a traceback that loses the measurement at the end. An empty value (no output) passes."""
     for flag in (*files, *dirs):

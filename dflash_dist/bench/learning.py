@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from dflash_dist.bench.jobs import write_json
-from dflash_dist.checkpoints.files import atomic_write, check_output_path
+from dflash_dist.io.files import atomic_write, check_output_path
 from dflash_dist.config import ConfigError, load_config, ranged
 from dflash_dist.data.collate import collate
 from dflash_dist.data.dataset import TokenDataset

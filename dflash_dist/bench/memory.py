@@ -34,7 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from dflash_dist.checkpoints.files import check_output_path, write_json
+from dflash_dist.io.files import check_output_path, write_json
 from dflash_dist.forecast import memory as M
 from dflash_dist.forecast.shapes import TARGET_SHAPES, check_target_split, model_shapes
 from dflash_dist.config import Config, ConfigError, load_config, ranged

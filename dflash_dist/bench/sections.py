@@ -20,7 +20,7 @@ from typing import Callable
 
 import psutil
 
-from dflash_dist.checkpoints.files import atomic_write
+from dflash_dist.io.files import atomic_write
 
 ROOT = Path(__file__).resolve().parents[2]
 

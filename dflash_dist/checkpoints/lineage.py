@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from dflash_dist.config import ConfigError
-from dflash_dist.checkpoints.files import fsync_dir, write_json
+from dflash_dist.io.files import fsync_dir, write_json
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,6 @@ import logging
 import os
 import re
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +34,9 @@ import torch
 
 from dflash_dist.checkpoints import lineage
 from dflash_dist.config import Config, ConfigError, to_dict
-from dflash_dist.checkpoints.files import TMP_TAG, AtomicDir, file_sha256, json_safe
-from dflash_dist.checkpoints.write_errors import write_error
+from dflash_dist.io.files import TMP_TAG, AtomicDir, file_sha256, json_safe
+from dflash_dist.io.write_errors import write_error
+from dflash_dist.plan.schedule import Cursor
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +57,6 @@ NOT_TRAINING = ("model.target.dtype", "model.target.path", "model.target.tensor_
 RESUME_FREE = ("optim.lr", "optim.grad_clip")
 LAYOUT_KEYS = ("num_drafters", "num_targets", "num_nodes", "ranks_per_node", "tensor_parallel")
 _LOW_SPACE = 64 << 20  # bytes free below which a failed write is reported as a full disk
-
-
-@dataclass(frozen=True)
-class Cursor:
-    epoch: int  # the epoch to continue
-    batch: int  # global index, in that epoch's plan, of the first batch not yet trained (0 = epoch start)
 
 
 class CheckpointWriteError(OSError):

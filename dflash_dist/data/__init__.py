@@ -4,6 +4,6 @@ format (disk.py) and its digest (digest.py), the synthetic corpus (synthetic.py)
 regeneration through vLLM or transformers (regen/). `python -m dflash_dist.data.regenerate` is the entry
 point of both regenerations.
 
-May import: models/ (the target that answers), checkpoints/ (atomic writes), observe/ (progress),
-config.py, exits.py.
+May import: models/ (the target that answers), observe/ (progress), runtime/ (regeneration's watchdog),
+io/ (atomic writes, the output lock), config.py, exits.py.
 """

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from dflash_dist.checkpoints.files import file_sha256
+from dflash_dist.io.files import file_sha256
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from typing import Any, BinaryIO, Iterable
 import numpy as np
 
 from dflash_dist.data.dataset import TokenDataset
-from dflash_dist.checkpoints.files import TMP_TAG, AtomicDir, fsync_dir
+from dflash_dist.io.files import TMP_TAG, AtomicDir, fsync_dir
 
 log = logging.getLogger(__name__)
 

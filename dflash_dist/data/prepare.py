@@ -52,7 +52,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from dflash_dist.checkpoints.files import terminate_cleanly
+from dflash_dist.io.files import terminate_cleanly
 from dflash_dist.observe.bars import Bar
 from dflash_dist.data.disk import DatasetWriter
 from dflash_dist.exits import EXIT_BAD_INPUT

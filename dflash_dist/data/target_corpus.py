@@ -24,7 +24,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from dflash_dist.checkpoints.files import atomic_write
+from dflash_dist.io.files import atomic_write
 from dflash_dist.data.dataset import TokenDataset
 from dflash_dist.models.decode import greedy, one_cpu_thread
 

@@ -11,5 +11,5 @@
   loading.py       the export and its target, defects named by file
   measure.py       the end-of-training tau (dflash_dist.roles.reporter)
 
-May import: data/ (chat rendering, held-out sets), models/, checkpoints/, config.py.
+May import: data/ (chat rendering, held-out sets), models/, observe/, io/, config.py, exits.py.
 """

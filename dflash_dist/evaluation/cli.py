@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_dist.checkpoints.files import check_output_path
+from dflash_dist.io.files import check_output_path
 from dflash_dist.evaluation.prompts import EvalInputError, PromptSet, default_bench_dir, load_bench
 
 log = logging.getLogger(__name__)

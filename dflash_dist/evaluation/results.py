@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_dist.checkpoints.files import write_json
+from dflash_dist.io.files import write_json
 
 
 @dataclass

@@ -2,5 +2,5 @@
 bench.memory), the cost model (cost.py: FLOPs, bytes and seconds per batch, the best role split), and
 the models' shapes both read (shapes.py: from the config, a config.json or built-in public shapes).
 
-May import: training/, plan/, parallel/, data/, models/, checkpoints/, observe/, config.py.
+May import: training/, plan/, parallel/, data/, models/, observe/, io/, config.py, exits.py.
 """

@@ -3,5 +3,5 @@ the DFlash drafter (drafter.py), transformers targets with tensor parallel and M
 drafter rank's head-only target (head.py), building either from the config (build.py), greedy decoding by
 the target (decode.py) and the z-lab export with its model card (export.py).
 
-May import: config.py only (nothing else of the project): every stage above builds on it.
+May import: io/ (the exports' atomic writes), config.py, exits.py: every stage above builds on it.
 """

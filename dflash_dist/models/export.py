@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_dist.checkpoints.files import AtomicDir, atomic_write
-from dflash_dist.checkpoints.write_errors import os_errors
+from dflash_dist.io.files import AtomicDir, atomic_write
+from dflash_dist.io.write_errors import os_errors
 from dflash_dist.models.drafter import DFlashDrafter, DraftSpec
 from dflash_dist.models.variants import variant_of_export
 

@@ -28,9 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-from dflash_dist.checkpoints.files import (AtomicDir, OutputPathError, atomic_write, check_output_dir,
+from dflash_dist.io.files import (AtomicDir, OutputPathError, atomic_write, check_output_dir,
                                            temp_siblings, terminate_cleanly)
-from dflash_dist.checkpoints.write_errors import os_errors
+from dflash_dist.io.write_errors import os_errors
 from dflash_dist.exits import EXIT_BAD_INPUT
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from typing import Callable
 import psutil
 import torch
 
-from dflash_dist.checkpoints.files import json_safe
+from dflash_dist.io.files import json_safe
 from dflash_dist.config import choices
 
 log = logging.getLogger(__name__)

@@ -18,6 +18,13 @@ from dflash_dist.parallel.topology import Layout
 
 
 @dataclass(frozen=True)
+class Cursor:
+    """A run's position in the plan: what a checkpoint records and a resumed run starts from."""
+    epoch: int  # the epoch to continue
+    batch: int  # global index, in that epoch's plan, of the first batch not yet trained (0 = epoch start)
+
+
+@dataclass(frozen=True)
 class EpochSchedule:
     epoch: int
     num_batches: int  # the count broadcast with this epoch's plan

@@ -10,7 +10,7 @@ data no run has (tau when evaluation was off, say) is left out, and the page say
     plotting.py what the figures share (colours, smoothing, the time unit)
     page.py     index.html
 
-May import: checkpoints/files.py only (the output check; standard library only), so it runs on any machine.
+May import: io/ (its files.py only, standard library only), so it runs on any machine.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_dist.checkpoints.files import atomic_write, check_output_dir
+from dflash_dist.io.files import atomic_write, check_output_dir
 from dflash_dist.report.runs import ReportInputError, RunData, load_run
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ import logging
 import sys
 from pathlib import Path
 
-from dflash_dist.checkpoints.files import OutputPathError
+from dflash_dist.io.files import OutputPathError
 from dflash_dist.report import ReportInputError, make_report
 
 

@@ -2,6 +2,6 @@
 send), and rank 0's duties inside the drafter loop (reporter.py: monitor, sinks, tau, checkpoints and
 export files, summary, advice; every other rank gets the do-nothing NullReporter).
 
-May import: every folder below it (evaluation/, forecast/, training/, plan/, parallel/, data/, models/,
-checkpoints/, observe/), config.py, exits.py.
+May import: evaluation/, forecast/, training/, checkpoints/, plan/, parallel/, data/, models/, observe/,
+runtime/, io/, config.py, exits.py.
 """

@@ -19,7 +19,7 @@ from dflash_dist.config import ConfigError, measures_tau, to_dict
 from dflash_dist.data.dataset import preparation_skips, preparation_sources
 from dflash_dist.data.digest import dataset_digest
 from dflash_dist.models.export import export_drafter, write_model_card
-from dflash_dist.checkpoints.files import write_json
+from dflash_dist.io.files import write_json
 from dflash_dist.models import attention
 from dflash_dist.models.variants import variant_of
 from dflash_dist.observe.monitor import SUPERSEDED, Monitor, Progress, Sinks, set_aside_records

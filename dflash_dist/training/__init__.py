@@ -3,5 +3,5 @@ forward and backward in anchor chunks (step.py), the DFlash objective (objective
 labels, the chunked LM-head loss, metrics), what drafters all-reduce (stats.py), the training state a
 checkpoint holds (state.py) and what a role receives at start (setup.py).
 
-May import: plan/, parallel/, data/, models/, checkpoints/, observe/, config.py, exits.py.
+May import: checkpoints/, plan/, parallel/, data/, models/, observe/, runtime/, io/, config.py, exits.py.
 """

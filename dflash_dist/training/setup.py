@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_dist.checkpoints.store import Cursor
+from dflash_dist.plan.schedule import Cursor
 from dflash_dist.config import Config
 from dflash_dist.data.dataset import TokenDataset
 from dflash_dist.parallel.dist import DistContext

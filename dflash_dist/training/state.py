@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from dflash_dist.checkpoints import store as checkpoint
-from dflash_dist.checkpoints.store import Cursor
+from dflash_dist.plan.schedule import Cursor
 from dflash_dist.config import Config, to_dict
 from dflash_dist.models.variants import RunProgress
 from dflash_dist.training.stats import StepStats, drafting_slots

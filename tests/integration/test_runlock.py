@@ -7,13 +7,13 @@ import sys
 
 import pytest
 
-from dflash_dist.checkpoints.runlock import RunLock
+from dflash_dist.io.runlock import RunLock
 from dflash_dist.config import ConfigError
 
 
 HOLD = """
 import sys, time
-from dflash_dist.checkpoints.runlock import RunLock
+from dflash_dist.io.runlock import RunLock
 from dflash_dist.config import ConfigError
 try:
     lock = RunLock(sys.argv[1]).acquire()

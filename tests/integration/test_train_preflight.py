@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from dflash_dist.checkpoints.runlock import RunLock
+from dflash_dist.io.runlock import RunLock
 
 from helpers import exit_codes, read_only, torchrun
 

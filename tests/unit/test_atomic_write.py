@@ -1,4 +1,4 @@
-"""checkpoints/files.py's atomic writes: the one file write (atomic_write) and the one directory write
+"""io/files.py's atomic writes: the one file write (atomic_write) and the one directory write
 (AtomicDir): nothing temporary left on failure, an existing destination replaced whole or refused, and
 every file, the temporary directory and the parent fsynced."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_dist.checkpoints import files
-from dflash_dist.checkpoints.files import TMP_TAG, AtomicDir, atomic_write, temp_sibling
+from dflash_dist.io import files
+from dflash_dist.io.files import TMP_TAG, AtomicDir, atomic_write, temp_sibling
 
 
 class Boom(Exception):

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from dflash_dist.checkpoints import files
+from dflash_dist.io import files
 from dflash_dist.models import from_gguf
 from gguf_fixtures import write_gguf
 

@@ -1,18 +1,42 @@
 """The package's layout as a rule that lasts: the top level holds only the entry points, the config and
-the exit contract; folders import downward only (in LAYERS order); no two files import each other,
-directly or around a circle. Imports inside functions count: they are imports all the same."""
+the exit contract; each folder imports only what MAY_IMPORT allows it (a graph without a circle, so
+folders still import downward), and its __init__.py says so in its "May import:" line; no two files
+import each other, directly or around a circle. Imports inside functions count: they are imports all
+the same."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "dflash_dist"
 TOP_MODULES = {"__init__", "config", "exits", "train", "evaluate"}
 GROUND = {"config", "exits"}  # imported by everything, import nothing of the project
 ENTRY = {"train", "evaluate"}  # python -m entry points: nothing imports them
-# Lowest first: a folder may import the folders before it (and the ground floor), never one after it.
-LAYERS = ["checkpoints", "models", "observe", "data", "parallel", "plan", "training", "forecast", "evaluation",
-          "roles", "report", "bench"]
+# The layering rule, stated once: what each folder may import (folders as "name/", top-level modules as
+# "name.py"). Each folder's __init__.py docstring has a "May import:" line naming the same set
+# (test_every_folder_may_import_what_its_docstring_says). Folders that need nothing of each other stay
+# apart (models/ and observe/, io/ and runtime/, report/ and the rest), where a total order would rank them.
+MAY_IMPORT: dict[str, tuple[str, ...]] = {
+    "io": ("config.py",),
+    "runtime": ("exits.py",),
+    "models": ("io/", "config.py", "exits.py"),
+    "observe": ("io/", "config.py", "exits.py"),
+    "data": ("models/", "observe/", "runtime/", "io/", "config.py", "exits.py"),
+    "parallel": ("data/", "models/", "observe/", "runtime/", "io/", "config.py", "exits.py"),
+    "plan": ("parallel/", "data/", "models/", "observe/", "io/", "config.py", "exits.py"),
+    "checkpoints": ("plan/", "io/", "config.py", "exits.py"),
+    "training": ("checkpoints/", "plan/", "parallel/", "data/", "models/", "observe/", "runtime/", "io/",
+                 "config.py", "exits.py"),
+    "forecast": ("training/", "plan/", "parallel/", "data/", "models/", "observe/", "io/", "config.py", "exits.py"),
+    "evaluation": ("data/", "models/", "observe/", "io/", "config.py", "exits.py"),
+    "roles": ("evaluation/", "forecast/", "training/", "checkpoints/", "plan/", "parallel/", "data/", "models/",
+              "observe/", "runtime/", "io/", "config.py", "exits.py"),
+    "report": ("io/",),  # files.py only, the standard library's: the report runs on any machine
+    "bench": ("roles/", "evaluation/", "forecast/", "training/", "checkpoints/", "plan/", "parallel/", "data/",
+              "models/", "observe/", "runtime/", "io/", "config.py", "exits.py"),
+}
+_NAMES = re.compile(r"\b(\w+)/|(?<![/\w])(\w+)\.py\b")  # "data/", "config.py" (not "io/files.py"'s file)
 
 
 def module_name(path: Path, root: Path = PKG) -> str:
@@ -51,6 +75,11 @@ def room(module: str) -> str:
     return parts[1] if len(parts) > 1 else ""
 
 
+def allowed(src: str) -> set[str]:
+    """The rooms (room()) folder `src` may import, from MAY_IMPORT."""
+    return {name.rstrip("/").removesuffix(".py") for name in MAY_IMPORT[src]}
+
+
 def layering_errors(graph: dict[str, set[str]]) -> list[str]:
     errors = []
     for m, deps in sorted(graph.items()):
@@ -63,12 +92,37 @@ def layering_errors(graph: dict[str, set[str]]) -> list[str]:
                 errors.append(f"{m} imports {d}: {src}.py is the ground floor and imports nothing of the project")
             elif dst in ENTRY:
                 errors.append(f"{m} imports the entry point {d}: import what it wraps instead")
-            elif dst in GROUND or src in ENTRY:
+            elif src in ENTRY:
                 continue
-            elif dst not in LAYERS or src not in LAYERS:
-                errors.append(f"{m} -> {d}: {dst if dst not in LAYERS else src}/ is not in LAYERS (add it in its place)")
-            elif LAYERS.index(dst) > LAYERS.index(src):
-                errors.append(f"{m} imports {d}: {src}/ may import only lower folders (earlier in LAYERS), and {dst}/ is higher")
+            elif src not in MAY_IMPORT:
+                errors.append(f"{m} -> {d}: {src}/ is not in MAY_IMPORT (add what it may import)")
+            elif dst not in allowed(src):
+                errors.append(f"{m} imports {d}: {src}/ may import only {', '.join(MAY_IMPORT[src])} (MAY_IMPORT)")
+    return errors
+
+
+def may_import_line(init: Path) -> set[str] | None:
+    """The names ("data/", "config.py") in the "May import:" paragraph of a folder's __init__.py docstring;
+    None when it has none."""
+    doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+    start = doc.find("May import:")
+    if start < 0:
+        return None
+    paragraph = doc[start:].split("\n\n")[0]
+    return {a + "/" if a else b + ".py" for a, b in _NAMES.findall(paragraph)
+            if a in MAY_IMPORT or b in GROUND}
+
+
+def docstring_errors(root: Path = PKG) -> list[str]:
+    errors = []
+    for folder in sorted(MAY_IMPORT):
+        init = root / folder / "__init__.py"
+        said = may_import_line(init) if init.is_file() else None
+        want = f"May import: {', '.join(MAY_IMPORT[folder])}."
+        if said is None:
+            errors.append(f"{init}: no 'May import:' line; write {want!r}")
+        elif said != set(MAY_IMPORT[folder]):
+            errors.append(f"{init}: its 'May import:' line names {sorted(said)}, MAY_IMPORT says {want!r}")
     return errors
 
 
@@ -108,7 +162,19 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_top_level_holds_only_entry_points_config_and_exit_contract():
     assert {p.stem for p in PKG.glob("*.py")} == TOP_MODULES
-    assert {p.name for p in PKG.iterdir() if p.is_dir() and p.name != "__pycache__"} == set(LAYERS)
+    assert {p.name for p in PKG.iterdir() if p.is_dir() and p.name != "__pycache__"} == set(MAY_IMPORT)
+
+
+def test_the_allowed_imports_form_no_circle():
+    """MAY_IMPORT names only folders and the ground floor, and no folder may import its way back to itself."""
+    for src, names in MAY_IMPORT.items():
+        assert allowed(src) <= set(MAY_IMPORT) | GROUND, f"MAY_IMPORT[{src!r}] names no folder: {names}"
+    graph = {f"dflash_dist.{src}": {f"dflash_dist.{d}" for d in allowed(src) - GROUND} for src in MAY_IMPORT}
+    assert cycles(graph) == []
+
+
+def test_every_folder_may_import_what_its_docstring_says():
+    assert docstring_errors() == []
 
 
 def test_every_folder_says_what_it_holds_and_may_import():
@@ -143,5 +209,11 @@ def test_the_checks_catch_an_upward_import_and_a_circle(tmp_path):
     assert any("dflash_dist.models.a imports dflash_dist.roles.drafter" in e for e in errors), errors
     assert any(e.startswith("dflash_dist.config imports") for e in errors), errors
     assert len(errors) == 2
+    (pkg / "models" / "__init__.py").write_text('"""doc\n\nMay import: config.py only."""\n')  # stale: io/, exits.py
+    (pkg / "roles" / "__init__.py").write_text('"""doc\n\nMay import: evaluation/ (tau), forecast/, training/,\n'
+                                               'checkpoints/, plan/, parallel/, data/, models/, observe/, runtime/,\n'
+                                               'io/ (io/files.py: writes), config.py, exits.py."""\n')
+    stale = [e for e in docstring_errors(pkg) if "'May import:' line names" in e]
+    assert len(stale) == 1 and "models/__init__.py" in stale[0] and "'May import: io/, config.py, exits.py.'" in stale[0]
     assert sorted(cycles(graph)) == [["dflash_dist.models.a", "dflash_dist.roles.drafter"],
                                      ["dflash_dist.models.b", "dflash_dist.models.c"]]

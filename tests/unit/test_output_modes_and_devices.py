@@ -1,4 +1,4 @@
-"""Issue 36, cases 8 and 12, in the one write (checkpoints/files.py): an output that is not a regular file
+"""Issue 36, cases 8 and 12, in the one write (io/files.py): an output that is not a regular file
 (a character device like /dev/null, a FIFO) is written through and never replaced by a regular file; and
 every file and folder the atomic writes leave (atomic_write, AtomicDir, from_gguf's target) gets the mode
 the umask gives, not the 0600/0700 of a writer that goes through a temporary (safetensors, mkdtemp)."""
@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 import gguf_fixtures
-from dflash_dist.checkpoints.files import AtomicDir, atomic_write, check_output_path, write_json
+from dflash_dist.io.files import AtomicDir, atomic_write, check_output_path, write_json
 from dflash_dist.models import from_gguf
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_dist.checkpoints.files import OutputPathError, check_output_path
+from dflash_dist.io.files import OutputPathError, check_output_path
 from helpers import read_only
 
 
@@ -49,7 +49,7 @@ def test_it_is_a_value_error_so_callers_treat_it_as_bad_input():
 
 
 def test_an_output_folder_is_created_or_refused_naming_the_flag(tmp_path):
-    from dflash_dist.checkpoints.files import check_output_dir
+    from dflash_dist.io.files import check_output_dir
     assert check_output_dir(tmp_path / "a" / "b", "--out") == tmp_path / "a" / "b"
     assert list((tmp_path / "a" / "b").iterdir()) == []
     (tmp_path / "f").write_text("x")

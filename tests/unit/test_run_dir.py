@@ -1,11 +1,11 @@
-"""The run directory before training (checkpoints.runlock.check_writable): under a regular file, read-only,
+"""The run directory before training (io.runlock.check_writable): under a regular file, read-only,
 a read-only export or checkpoints directory; an export that cannot be written at the end."""
 import errno
 
 import pytest
 import torch
 
-from dflash_dist.checkpoints.runlock import check_writable
+from dflash_dist.io.runlock import check_writable
 from dflash_dist.config import ConfigError, load_config
 
 from helpers import read_only

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from dflash_dist.checkpoints.files import write_json
+from dflash_dist.io.files import write_json
 
 from helpers import wandb_cfg
 

@@ -1,6 +1,6 @@
 """Issue 46, case 12, beyond from_gguf: a full disk under a library that raises its own error type
 (safetensors' SafetensorError; torch.save's RuntimeError over its file's OSError) reaches every writer as
-the OSError it stands for (`checkpoints.write_errors`), so the handlers that name the path catch it."""
+the OSError it stands for (`io.write_errors`), so the handlers that name the path catch it."""
 from __future__ import annotations
 
 import errno
@@ -13,8 +13,8 @@ import torch
 from safetensors import SafetensorError
 
 from dflash_dist.bench import learning
-from dflash_dist.checkpoints.files import atomic_write
-from dflash_dist.checkpoints.write_errors import os_errors, write_error
+from dflash_dist.io.files import atomic_write
+from dflash_dist.io.write_errors import os_errors, write_error
 from dflash_dist.models import export
 from dflash_dist.models.drafter import DFlashDrafter, DraftSpec
 

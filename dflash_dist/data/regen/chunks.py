@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from dflash_dist.checkpoints.files import TMP_TAG, atomic_write, write_json
+from dflash_dist.io.files import TMP_TAG, atomic_write, write_json
 
 log = logging.getLogger(__name__)
 

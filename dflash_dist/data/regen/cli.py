@@ -16,7 +16,7 @@ import logging
 import sys
 from pathlib import Path
 
-from dflash_dist.checkpoints.files import check_output_path
+from dflash_dist.io.files import check_output_path
 from dflash_dist.config import Range
 from dflash_dist.data.records import sniff
 from dflash_dist.data.regen.engine import EngineSpec, Sampling

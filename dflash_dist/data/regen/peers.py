@@ -2,7 +2,7 @@
 
 The ranks share no process group (each runs its own engine), so a rank that dies (SIGKILL, OOM, a lost
 node) used to leave rank 0 polling for its chunk files forever. Here every rank of a torchrun world runs
-observe/liveness.py's heartbeat thread on the store torchrun already hosts (MASTER_ADDR:MASTER_PORT),
+runtime/liveness.py's heartbeat thread on the store torchrun already hosts (MASTER_ADDR:MASTER_PORT),
 as training's ranks do: a peer silent for --dead-after-s is named and every rank exits 3 ("a peer died",
 which slurm/job.sh requeues as a crash, never 75); a peer that fails marks itself so and the others exit
 with its code at once. A few keys of the same store order the run:
@@ -21,7 +21,7 @@ import os
 import time
 
 from dflash_dist.exits import EXIT_BAD_INPUT, EXIT_RESUME
-from dflash_dist.observe.liveness import DONE, FAILED, Liveness
+from dflash_dist.runtime.liveness import DONE, FAILED, Liveness
 
 log = logging.getLogger(__name__)
 

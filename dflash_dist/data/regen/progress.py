@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from dflash_dist.checkpoints.files import write_json
+from dflash_dist.io.files import write_json
 
 log = logging.getLogger(__name__)
 

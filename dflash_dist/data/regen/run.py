@@ -24,7 +24,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dflash_dist.checkpoints.runlock import RunLock
+from dflash_dist.io.runlock import RunLock
 from dflash_dist.data.digest import file_digest
 from dflash_dist.data.prepare import Skip
 from dflash_dist.exits import EXIT_BAD_INPUT, EXIT_PEER_LOST, EXIT_RESUME  # 75: finished chunks kept, rerun

@@ -5,9 +5,10 @@ the process-group timeout. So every rank runs one thread that (1) bumps its own 
 c10d store every `heartbeat_s`, and (2) reads every other rank's key: a counter that has not moved for
 `dead_after_s` (measured on this rank's clock, so clocks need not agree), or a rank that marked itself
 failed, ends this process with an error naming that rank and its role. A rank that finished cleanly
-marks itself done and is never reported. The thread uses only the store, never a collective. Here, below
-data/, because regeneration's ranks (which share no process group, only torchrun's store) watch each
-other with it too.
+marks itself done and is never reported. The thread uses only the store, never a collective. Here, in the
+runtime's ground floor rather than beside the process groups in parallel/, because regeneration's ranks
+(in data/, below parallel/; they share no process group, only torchrun's store) watch each other with it
+too.
 """
 from __future__ import annotations
 

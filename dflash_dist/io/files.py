@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
-from dflash_dist.checkpoints.write_errors import os_errors
+from dflash_dist.io.write_errors import os_errors
 
 log = logging.getLogger(__name__)
 
