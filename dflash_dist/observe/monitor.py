@@ -284,7 +284,7 @@ def set_aside_records(path: Path, superseded: Callable[[dict], bool]) -> list[di
     to metrics.superseded.jsonl beside it, so that metrics.jsonl holds one record per step and measurement
     across resumes and nothing measured is thrown away. metrics.jsonl is rewritten atomically; a line that
     is not a JSON object stays where it is. Returns the records moved."""
-    from dflash_dist.checkpoints.files import atomic_write
+    from dflash_dist.io.files import atomic_write
     if not path.is_file():
         return []
     kept, moved = [], []

@@ -1,4 +1,4 @@
-"""The one atomic directory write (checkpoints/files.py AtomicDir) under SIGTERM at its narrowest
+"""The one atomic directory write (io/files.py AtomicDir) under SIGTERM at its narrowest
 window: the signal lands right after the temporary directory is created, before any statement of the
 writer could arm its clean-up (issue 46, case 10: prepare left a `.ds.tmp-*` beside --output once under
 load). The window is widened deterministically: a wrapper makes the process SIGTERM itself inside the
@@ -34,7 +34,7 @@ WRAPPER = textwrap.dedent('''
 
 EXPORT = textwrap.dedent('''
     import sys, torch
-    from dflash_dist.checkpoints.files import terminate_cleanly
+    from dflash_dist.io.files import terminate_cleanly
     from dflash_dist.config import load_config
     from dflash_dist.models.build import build_drafter, build_target, draft_spec
     from dflash_dist.models.export import export_drafter
