@@ -116,6 +116,10 @@ def conversation_samples(tok, conv: Conversation, opts: Options, eot: str) -> Ke
             if notes["reasoning_left_out"]:
                 kept.left_out.append(f"the sample ending at message {end}: the chat template left out the reasoning "
                                      f"of {notes['reasoning_left_out']} assistant turn(s) (not trained)")
+            if notes["tool_calls_not_rendered"]:
+                kept.left_out.append(f"the sample ending at message {end}: the chat template did not write the tool "
+                                     f"calls of {notes['tool_calls_not_rendered']} assistant turn(s) (those turns "
+                                     "not trained; give --chat-template a template that renders tool calls)")
         except Skip as skip:
             skips.append(skip)
             kept.partial.append((skip.reason, f"the sample ending at message {end}: {skip}"))
@@ -408,11 +412,16 @@ def _log_summary(meta: dict[str, Any], lines: int, seconds: float) -> None:
     if r["reasoning_left_out"]:
         log.warning("%d assistant turns have reasoning the chat template did not render in their own sample "
                     "(not trained; see replies.reasoning_left_out)", r["reasoning_left_out"])
+    if r["tool_calls_not_rendered"]:
+        log.warning("%d assistant turns hold tool calls the chat template did not write (those turns not trained; "
+                    "see replies.tool_calls_not_rendered; --chat-template FILE gives a template that renders "
+                    "them)", r["tool_calls_not_rendered"])
 
 
 REPLY_NOTES = ("cut_replies", "token_ids.replies", "token_ids.same", "token_ids.spliced", "token_ids.retokenized",
                "reasoning_content_not_rendered", "reasoning_turns", "reasoning_left_out", "reasoning_tokens",
-               "tool_call_turns", "split_conversations", "split_samples", "pretokenized_rows")
+               "tool_call_turns", "tool_calls_not_rendered", "split_conversations", "split_samples",
+               "pretokenized_rows")
 
 
 def reply_notes(counts: Counter) -> dict[str, int]:

@@ -192,6 +192,12 @@ def reasoning_field(text: str, start: int, end: int, message: dict) -> tuple[int
     return (p, p + len(reasoning)) if p >= 0 else None
 
 
+def calls_rendered(text: str, start: int, end: int, calls: list[dict]) -> bool:
+    """Whether the template wrote every tool call of a turn inside [start, end): each call's function name
+    at least (templates format the arguments their own way)."""
+    return all(text.find(c["function"]["name"], start, end) >= 0 for c in calls)
+
+
 # ----------------------------------------------------------------------------------- one sample
 
 def _char_masks(full: str, spans, messages: list[dict], opts: Options, eot: str,
@@ -208,6 +214,11 @@ def _char_masks(full: str, spans, messages: list[dict], opts: Options, eot: str,
             notes["cut_replies"] += 1
         if m.get("tool_calls"):
             notes["tool_call_turns"] += 1
+            if not calls_rendered(full, a, b, m["tool_calls"]):
+                # A template without tools (SmolLM2's) renders the call turn empty: its end-of-turn marker
+                # would teach the drafter that the turn ends where the target writes its call.
+                notes["tool_calls_not_rendered"] += 1
+                continue
         char_mask[a:b] = True
         field_ = reasoning_field(full, a, b, m)
         if reasoning_text(m):

@@ -140,6 +140,29 @@ def test_tool_calls_are_supervised_and_tool_results_are_not(chatml):
     assert kept.notes["tool_call_turns"] == 2
 
 
+def test_a_template_that_drops_tool_calls_trains_no_empty_call_turn(tmp_path, caplog):
+    """A template without tools (the plain one here, SmolLM2's in the wild) writes the call turn empty: its
+    end-of-turn marker alone would teach the drafter that the turn ends where the target writes its call.
+    That turn is not trained, and it is counted and named."""
+    tok = load_tokenizer(str(make_tokenizer(tmp_path / "tok")))
+    record = {"tools": TOOLS, "messages": [
+        {"role": "user", "content": "add two and two."},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 2}}}]},
+        {"role": "tool", "content": "4"},
+        {"role": "assistant", "content": "it is four."}]}
+    kept = samples(tok, record)
+    sup = "".join(supervised_text(tok, ids, mask) for ids, mask in kept.samples)
+    assert sup == "it is four.<|end|>"  # not "<|end|>it is four.<|end|>"
+    assert kept.notes["tool_calls_not_rendered"] == 1 and kept.notes["tool_call_turns"] == 1
+    assert any("did not write the tool calls" in why for why in kept.left_out)
+    src = write_jsonl(tmp_path / "calls.jsonl", [json.dumps(record)])
+    with caplog.at_level(logging.WARNING):
+        meta = prepare(str(tmp_path / "tok"), str(src), str(tmp_path / "out"), Options())
+    assert meta["replies"]["tool_calls_not_rendered"] == 1
+    assert any(f"{src}:1" in r.getMessage() for r in caplog.records)
+
+
 def test_thinking_off_reply_is_supervised_from_its_first_written_token(chatml):
     tok = load_tokenizer(str(chatml))
     record = openai([("user", "Hi?"), ("assistant", "Hello."), ("user", "Bye?"), ("assistant", "Goodbye.")])
