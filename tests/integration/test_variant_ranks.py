@@ -1,0 +1,64 @@
+"""Every registered drafter variant (`models.variants.VARIANTS`) trains alike over 2 drafters, DDP replicas
+or FSDP2 shards: the gradient of 2 gloo ranks each stepping its own batch is one process's gradient of
+the merged batch (objective.loss_norm=step: each rank's weighted sum, divided by the all-reduced weight).
+
+Each rank makes the calls the drafter role makes, through `parallel.sharding.make_sharding` and its
+DrafterSharding interface (begin_step, loss_scale, before_last_chunk, finish_grads, scale_grads) around
+`training.step.drafter_step`; anchor chunks of 2, so the last chunk's reduce follows earlier chunks."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from dflash_dist.config import ObjectiveConfig
+from dflash_dist.models.variants import RunProgress
+from dflash_dist.parallel.sharding import make_sharding
+from dflash_dist.training.step import StepBatch, drafter_step, step_settings
+
+from drafter_batches import assert_drafters_give, make_batch, merged
+from variant_models import NAMES, feat_dim, make_model, tiny_spec
+
+pytestmark = pytest.mark.slow  # several processes
+
+WORLD = 2
+PROGRESS = RunProgress(3, 10)  # a schedule (Domino's lambda) strictly between its ends: every head learns
+
+
+def batch_of(spec, i: int):
+    return make_batch(i, spec.vocab_size, feat_dim(spec))
+
+
+def step(model, batch, *, batch_mean: bool, **kw):
+    data, feats, anchors, acu = batch
+    o = ObjectiveConfig(block_size=model.spec.block_size, gamma=3.0, anchor_chunk=2,
+                        loss_norm="batch" if batch_mean else "step")
+    return drafter_step(model, StepBatch(data, feats, None, anchors, acu, PROGRESS), step_settings(o, model.spec),
+                        **kw)
+
+
+def _worker(rank, q, kind, name, out):
+    spec = tiny_spec(name)
+    model = make_model(spec)
+    sh = make_sharding(kind, model, dist.group.WORLD, torch.device("cpu"), src=0)
+    sh.begin_step()
+    m = step(model, batch_of(spec, rank), batch_mean=False, scale=sh.loss_scale(1),
+             before_last_chunk=sh.before_last_chunk)
+    sh.finish_grads(1)
+    weight = torch.tensor(float(m.weight_sum), dtype=torch.float64)
+    dist.all_reduce(weight)
+    sh.scale_grads(1.0 / float(weight))
+    grads = {k: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+             for k, p in model.named_parameters()}
+    if rank == 0:
+        torch.save(grads, out)
+    q.put(rank)
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+@pytest.mark.parametrize("name", NAMES)
+def test_two_drafters_step_is_one_step_of_the_merged_batch(tmp_path, name, kind):
+    spec = tiny_spec(name)
+    model = make_model(spec)
+    step(model, merged([batch_of(spec, i) for i in range(WORLD)]), batch_mean=True)
+    want = {k: p.grad for k, p in model.named_parameters()}
+    assert all(g is not None and g.any() for g in want.values())  # every module of the variant is held to it
+    assert_drafters_give(_worker, want, tmp_path, WORLD, (kind, name))
