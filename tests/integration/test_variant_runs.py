@@ -5,7 +5,7 @@ evaluator (`python -m dflash_dist.evaluate`, the project's decoder) decodes the 
 stopped mid-way (SIGTERM: a checkpoint, exit 75) resumes to the uninterrupted run's weights.
 
 Asserted on records only: the workers' exit-code files ($DFLASH_EXIT_CODE_DIR), summary.json,
-metrics.jsonl, the export and the evaluator's --json. It replaces test_dflash2_run.py, test_domino_run.py
+metrics.jsonl, the export and the evaluator's --json. It replaced test_dflash2_run.py, test_domino_run.py
 and test_dspark_run.py's first test (the colocated DSpark run stays there)."""
 import json
 import signal
@@ -102,11 +102,13 @@ def test_a_variant_run_trains_exports_evaluates_and_resumes(tmp_path, name):
     check_training(whole, name, cfg)
     check_export(whole / "export", name, cfg)
     check_evaluate(whole / "export", name, tmp_path / "eval.json")
-    # stopped at step 3 (every worker saves and exits 75), then the same job resumes to the same weights
-    log, _, _ = interrupt(3, job(name), stopped, 3, lambda p: p.send_signal(signal.SIGTERM), 90,
+    # stopped at step 3 (every worker saves and exits 75), then the same job resumes to the same weights;
+    # without its tau (evaluation changes no weight; the run above measured it), which halves its cost
+    again = job(name) + ["train.eval_prompts=0"]
+    log, _, _ = interrupt(3, again, stopped, 3, lambda p: p.send_signal(signal.SIGTERM), 90,
                           env={"DFLASH_EXIT_CODE_DIR": str(codes / "stopped")})
     assert exit_codes(codes / "stopped") == [75, 75, 75], log[-3000:]
-    res = torchrun(3, job(name), stopped, timeout=400, env={"DFLASH_EXIT_CODE_DIR": str(codes / "resumed")})
+    res = torchrun(3, again, stopped, timeout=400, env={"DFLASH_EXIT_CODE_DIR": str(codes / "resumed")})
     assert res.returncode == 0 and exit_codes(codes / "resumed") == [0, 0, 0], (res.stdout + res.stderr)[-3000:]
     plans = [r["step"] for r in metrics(stopped) if r.get("kind") == "plan"]
     assert len(plans) == 2 and plans[0] == 0 and plans[1] >= 3  # the second process started at the checkpoint
