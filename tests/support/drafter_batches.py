@@ -21,14 +21,16 @@ def make_model():
     return model
 
 
-def make_batch(i: int):
+def make_batch(i: int, vocab: int = V, feat_dim: int = 2 * H):
+    """Batch i of LENGTHS for a drafter of `vocab` tokens whose features are `feat_dim` wide (a variant's
+    own: tests/support/variant_models.py)."""
     gen = torch.Generator().manual_seed(100 + i)
     lens = LENGTHS[i]
     n = sum(lens)
     cu = torch.tensor([0] + lens).cumsum(0)
-    data = PackedBatch(torch.randint(0, V - 1, (n,), generator=gen), torch.rand(n, generator=gen) > 0.3, cu)
+    data = PackedBatch(torch.randint(0, vocab - 1, (n,), generator=gen), torch.rand(n, generator=gen) > 0.3, cu)
     anchors, anchor_cu = draw_anchors(data.loss_mask, cu, 5, anchor_generator(0, 0, i))
-    return data, torch.randn(n, 2 * H, generator=gen), anchors, anchor_cu
+    return data, torch.randn(n, feat_dim, generator=gen), anchors, anchor_cu
 
 
 def step_batch(i: int):

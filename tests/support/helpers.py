@@ -165,12 +165,14 @@ def _rank(fn, rank: int, world: int, store_path: str, q, timeout_s: float, args:
         dist.destroy_process_group()
 
 
-def interrupt(nproc: int, overrides: list[str], run_dir: Path, at_step: int, act, timeout: float):
-    """Start a job of `nproc` ranks, call act(agent process) once it reaches `at_step`, wait for every
-    process to end. Returns (log, seconds from act to the end, torchrun's exit code)."""
+def interrupt(nproc: int, overrides: list[str], run_dir: Path, at_step: int, act, timeout: float,
+              env: dict | None = None):
+    """Start a job of `nproc` ranks (`env`: added to the workers' environment), call act(agent process)
+    once it reaches `at_step`, wait for every process to end. Returns (log, seconds from act to the end,
+    torchrun's exit code)."""
     import time
     log = run_dir / "first.log"
-    proc = start_torchrun(nproc, overrides, run_dir, log)
+    proc = start_torchrun(nproc, overrides, run_dir, log, env)
     try:
         wait_for(lambda: progress_step(run_dir) >= at_step, 120, f"training to reach step {at_step}")
         t0 = time.monotonic()

@@ -19,7 +19,7 @@ from dflash_dist.evaluation.speculative import ContextDrafter, speculative, targ
 from dflash_dist.models.build import build_drafter, build_target, draft_spec
 from dflash_dist.models.drafter import DFlashDrafter
 from dflash_dist.models.dflash2 import candidate_logits, unary_top_k, walk
-from dflash_dist.models.export import export_drafter, load_drafter
+from dflash_dist.models.export import export_drafter
 from dflash_dist.training.objective import block_labels, lm_head_loss
 from dflash_dist.models.variants.dflash2_loss import _walked_rows
 from dflash_dist.training.stats import StepStats
@@ -295,10 +295,6 @@ def test_export_writes_the_z_lab_dflash2_contract(tmp_path):
     extra.update({k: f(spec) for k, f in FIXTURE_SELECTOR.items()})
     assert set(tensors) == dflash | set(extra)
     assert {k: list(tensors[k].shape) for k in extra} == extra
-    back = load_drafter(out)
-    assert back.spec == spec
-    for k, v in drafter.state_dict().items():
-        assert torch.equal(back.state_dict()[k], v), k
     card = (out / "README.md").read_text()
     assert "DFlash2DraftModel" in card and '"num_speculative_tokens": 15' in card and "DFLASH" in card
 
@@ -325,21 +321,17 @@ def test_step_stats_carry_the_unary_figures_beside_the_selectors():
 
 
 def test_the_forecast_counts_dflash2_parameters_and_flops():
-    """forecast/memory.py and cost.py: the parameters are the module's, exactly; the costs add the
+    """forecast/memory.py and cost.py (the parameters: test_variant_contract): the costs add the
     convolutions, the top-K read off the loss's logits (no second head pass) and the selector's scores,
     and nothing for a DFlash run."""
     from dflash_dist.forecast import cost as C
     from dflash_dist.forecast import memory as M
-    from dflash_dist.forecast import variants as FV
     from dflash_dist.forecast.shapes import model_shapes
     base = ["model.draft.num_layers=2", "model.draft.selector_rank=16"]
     flops = {}
     for variant in ("dflash", "dflash2"):
         cfg = load_config(overrides=base + [f"model.draft.variant={variant}"])
-        target = build_target(cfg, CPU)
-        drafter = build_drafter(draft_spec(cfg, target), target, 0, CPU)
         shapes = model_shapes(cfg)
-        assert FV.draft_param_count(shapes, cfg) == sum(p.numel() for p in drafter.parameters())
         w = M.BatchShape(tokens=600, seqs=4, anchors=40, seq_lens=(150,) * 4, seq_anchors=(10,) * 4,
                          anchor_pos=tuple(range(5, 105, 10)) * 4)
         terms = C.drafter_terms(shapes, M.Precision(device="cpu"), cfg, w, 0).terms

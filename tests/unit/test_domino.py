@@ -21,7 +21,7 @@ from dflash_dist.evaluation.reference import speculative_generate
 from dflash_dist.evaluation.speculative import speculative, target_greedy
 from dflash_dist.models.build import build_drafter, build_target, draft_spec
 from dflash_dist.models.drafter import DFlashDrafter
-from dflash_dist.models.export import export_config, export_drafter, load_drafter, serving_settings
+from dflash_dist.models.export import export_drafter, serving_settings
 from dflash_dist.models.variants import RunProgress, variant_of_export
 from dflash_dist.models.variants.domino_head import domino_rollout, prefix_states
 from dflash_dist.models.variants.domino_loss import domino_lambda
@@ -293,8 +293,8 @@ def test_domino_config_keys_and_refusals():
 
 
 def test_the_export_is_sglangs_domino_contract(tmp_path):
-    """(c) DFlashDraftModel with dflash_config.projector_type domino, the contract's keys and tensors,
-    read back as Domino (not DFlash); a plain DFlash export stays DFlash."""
+    """(c) DFlashDraftModel with dflash_config.projector_type domino, the contract's keys and tensors
+    (read back as Domino, to the same weights: test_variant_contract)."""
     model = make_model()
     out = export_drafter(SPEC, model.state_dict(), tmp_path / "draft")
     cfg = json.loads((out / "config.json").read_text())
@@ -306,12 +306,6 @@ def test_the_export_is_sglangs_domino_contract(tmp_path):
     head = {k: tuple(v.shape) for k, v in tensors.items() if not k.startswith(("layers.", "fc.", "hidden_norm.", "norm."))}
     assert head == {"prefix_gru.weight_ih_l0": (3 * G, H), "prefix_gru.weight_hh_l0": (3 * G, G),
                     "embed_proj.0.weight": (E, H + G), "embed_proj.2.weight": (V, E)}
-    back = load_drafter(out)
-    assert back.spec == SPEC and back.spec.family.name == "domino"
-    for k, v in back.state_dict().items():
-        torch.testing.assert_close(v, tensors[k].float(), msg=k)
-    assert variant_of_export(cfg).name == "domino"
-    assert variant_of_export(export_config(helpers.tiny_spec())).name == "dflash"
     assert serving_settings(SPEC)["vllm"] is None  # vLLM 0.32 cannot serve it
     assert "--speculative-algorithm DFLASH" in serving_settings(SPEC)["sglang"]["command"]
     bad = dict(cfg, dflash_config=dict(dc, shift_label=False))
@@ -348,7 +342,7 @@ def test_both_decoders_are_exact_and_agree_step_for_step():
 
 
 def test_the_forecasts_count_the_gru_and_the_delta():
-    """(g) forecast/memory.py and cost.py: Domino's parameters are the module's, exactly; the features are
+    """(g) forecast/memory.py and cost.py (the parameters: test_variant_contract): the features are
     the captured layers' alone (no final hidden state on the wire); the costs add the GRU, the delta and
     the second (rows, V) buffer, the memory the GRU's and the delta's saved tensors. At Qwen3-8B (V 151,936,
     G 1024, E 256) the head is 55.9M parameters, W2 38.9M of them."""
@@ -364,9 +358,7 @@ def test_the_forecasts_count_the_gru_and_the_delta():
         cfg = load_config(overrides=base + [f"model.draft.variant={variant}"])
         target = build_target(cfg, CPU)
         spec = draft_spec(cfg, target)
-        drafter = build_drafter(spec, target, 0, CPU)
         shapes = model_shapes(cfg)
-        assert FV.draft_param_count(shapes, cfg) == sum(p.numel() for p in drafter.parameters())
         assert M.feature_blocks(shapes, cfg) * spec.hidden_size == packet_spec(cfg, spec, CPU).feat_dim
         assert not M.runs_whole_target(cfg)
         terms[variant] = C.drafter_terms(shapes, prec, cfg, w, 0).terms

@@ -20,7 +20,7 @@ from dflash_dist.evaluation.reference import speculative_generate
 from dflash_dist.evaluation.speculative import speculative, target_greedy
 from dflash_dist.models.build import build_drafter, build_target, draft_spec
 from dflash_dist.models.drafter import DFlashDrafter
-from dflash_dist.models.export import export_config, export_drafter, load_drafter, serving_settings
+from dflash_dist.models.export import export_config, export_drafter, serving_settings
 from dflash_dist.models.variants.dspark_heads import markov_walk
 from dflash_dist.parallel.transport import packet_spec
 from dflash_dist.training.capture import capture_for_drafter
@@ -169,8 +169,6 @@ def test_the_export_is_vllms_qwen3_dspark_contract(tmp_path):
     assert tensors["confidence_head.proj.weight"].shape == (1, H + 6) and tensors["confidence_head.proj.bias"].shape == (1,)
     assert tensors["confidence_head.proj.weight"].dtype == torch.float32 == tensors["confidence_head.proj.bias"].dtype
     assert tensors["markov_head.markov_w1.weight"].dtype == torch.bfloat16
-    back = load_drafter(out)
-    assert back.spec == SPEC and back.state_dict().keys() == model.state_dict().keys()
     vllm = serving_settings(SPEC)["vllm"]["speculative_config"]
     assert (vllm["method"], vllm["num_speculative_tokens"]) == ("dspark", B)
     no_conf = export_config(helpers.tiny_spec(variant="dspark", enable_confidence_head=False))
@@ -196,7 +194,7 @@ def test_both_decoders_are_exact_and_agree_step_for_step():
 
 @pytest.mark.parametrize("with_markov", [True, False])
 def test_the_forecasts_count_the_heads_and_the_final_hidden_row(with_markov):
-    """forecast/memory.py and cost.py: DSpark's parameters are the module's, exactly; the features carry
+    """forecast/memory.py and cost.py (the parameters: test_variant_contract): the features carry
     the final hidden state as packet_spec sends it (one more H-wide block on the wire and in the drafter's
     packets); the target runs to its final norm; the costs add the teacher's head, the Markov products
     and the second (rows, V) buffer. At Qwen3-8B (V 151,936, r 256) the Markov head is 77.8M parameters."""
@@ -213,9 +211,7 @@ def test_the_forecasts_count_the_heads_and_the_final_hidden_row(with_markov):
         cfg = load_config(overrides=base + [f"model.draft.variant={variant}"])
         target = build_target(cfg, CPU)
         spec = draft_spec(cfg, target)
-        drafter = build_drafter(spec, target, 0, CPU)
         shapes = model_shapes(cfg)
-        assert FV.draft_param_count(shapes, cfg) == sum(p.numel() for p in drafter.parameters())
         assert M.feature_blocks(shapes, cfg) * spec.hidden_size == packet_spec(cfg, spec, CPU).feat_dim
         assert M.runs_whole_target(cfg) == (variant == "dspark")
         terms[variant] = C.drafter_terms(shapes, prec, cfg, w, 0).terms
