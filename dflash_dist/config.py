@@ -116,8 +116,10 @@ class DraftConfig:
     # token: B per block) with a low-rank Markov bias on each slot's logits and a confidence head.
     # domino: Domino (models/variants/domino.py), anchor-as-first blocks whose slots k >= 1 add a logit
     # delta from a GRU over the previous tokens' embeddings (SGLang's DFlash projector_type "domino").
-    # The names of models/variants' registry (tests/unit check the two agree; config imports nothing).
-    variant: str = one_of("dflash", "dflash", "dflash2", "dspark", "domino")
+    # A name of models/variants' registry (its built-ins, and any registered through DFLASH_VARIANTS):
+    # config imports nothing, so the registry refuses an unknown name (`models.variants.check_objective`,
+    # which `train.main` runs right after loading, before any group forms).
+    variant: str = "dflash"
     conv_kernel_size: int = num(2, ge=1)  # dflash2: taps of the convolution (in-block rows it reads)
     conv_group_size: int = num(16, ge=1)  # dflash2: channels per delta group (must divide the hidden size)
     selector_top_k: int = num(16, ge=1)  # dflash2: candidates per drafted position

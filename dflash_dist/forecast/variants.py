@@ -21,6 +21,7 @@ from dflash_dist.config import Config, ConfigError
 from dflash_dist.forecast.job import Precision
 from dflash_dist.forecast.shapes import ModelShapes
 from dflash_dist.forecast.work import Term
+from dflash_dist.models.variants import variant_of
 
 
 @dataclass(frozen=True)
@@ -190,12 +191,18 @@ FORECASTS: dict[str, DFlashForecast] = {f.name: f for f in (DFlashForecast(), DF
 
 
 def forecast_of(cfg: Config) -> DFlashForecast:
+    """The variant's forecast terms: its own (`Variant.forecast`, a variant registered from outside the
+    package), else this module's object of its name."""
     name = cfg.model.draft.variant
+    own = variant_of(name).forecast  # an unknown name: the registry's ConfigError naming the key
+    if own is not None:
+        return own
     try:
         return FORECASTS[name]
     except KeyError:
         raise ConfigError(f"config key 'model.draft.variant': {name!r} has no forecast terms "
-                          f"(forecast/variants.py knows {', '.join(FORECASTS)})") from None
+                          f"(forecast/variants.py knows {', '.join(FORECASTS)}; a variant registered from "
+                          "outside declares its own as Variant.forecast)") from None
 
 
 def draft_param_count(s: ModelShapes, cfg: Config) -> int:

@@ -108,6 +108,10 @@ class Variant:
     # State-dict prefixes exported in float32 whatever the export's dtype (the engine's params are).
     float32_prefixes: tuple[str, ...] = ()
     vllm_method: str | None = "dflash"  # vLLM's speculative method for this architecture (None: vLLM cannot serve it)
+    # What its own modules add to the memory and cost forecasts: an object answering the five questions of
+    # `forecast.variants.DFlashForecast` (which this layer cannot import). None: forecast/variants.py's
+    # object of the same name (the built-ins'); a variant registered from outside declares its own here.
+    forecast: Any = None
 
     # -- build ---------------------------------------------------------------------------------------
     def check(self, draft_cfg, target) -> None:
