@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 import typing
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -372,6 +372,20 @@ def _check_ranges(cfg: Config) -> None:
             raise ConfigError(f"config key '{key}': must be {rng}, got {v!r}")
 
 
+# Rules a layer above adds to `validate`: config.py imports nothing of the project and names no variant,
+# so the variant registry (models/variants/__init__.py, imported with any module of models/) adds the
+# variants' own: the name is a registered one, and that variant's rules on the loaded keys
+# (`Variant.check_config`). A process that never imports models/ builds no drafter either.
+_RULES: list[Callable[[Config], None]] = []
+
+
+def add_rule(rule: Callable[[Config], None]) -> None:
+    """Have `validate` (so `load_config`) run `rule(cfg)` after its own checks; a ConfigError it raises
+    names the key."""
+    if rule not in _RULES:
+        _RULES.append(rule)
+
+
 def validate(cfg: Config) -> None:
     """Checks that need no process group and no model weights (those come in `models.build.draft_spec`):
     each numeric key against the range its schema field declares, then the rules that relate keys. The
@@ -400,57 +414,8 @@ def validate(cfg: Config) -> None:
     t = cfg.model.target
     if t.num_heads % t.num_kv_heads:
         raise ConfigError("config key 'model.target.num_kv_heads': must divide model.target.num_heads")
-    _check_conv_taps(cfg)
-    _check_dspark(cfg)
-    _check_domino(cfg)
-
-
-def _check_conv_taps(cfg: Config) -> None:
-    """DFlash 2's convolution reads rows of one block only (models/dflash2.py grouped_conv); with more taps
-    than block_size + 1 the shifted block no longer lines up with it (a RuntimeError in the first step;
-    block_size + 1 taps still run, the taps past block_size reading only zeros). Checked here, not in
-    DFlash2.check: that sees the draft's keys only, and the block size is objective.block_size."""
-    k, b = cfg.model.draft.conv_kernel_size, cfg.objective.block_size
-    if cfg.model.draft.variant == "dflash2" and k > b + 1:
-        raise ConfigError(f"config key 'model.draft.conv_kernel_size': {k} exceeds objective.block_size + 1 "
-                          f"({b} + 1): the convolution's taps read rows of one block only")
-
-
-def _check_dspark(cfg: Config) -> None:
-    """DSpark trains on the data's tokens with its own terms and decay (models/variants/dspark_loss.py)."""
-    if cfg.model.draft.variant != "dspark":
-        return
-    o = cfg.objective
-    if o.labels == "target_full":
-        # Refused, not mapped: DSpark's loss already is this distillation (the L1 distance to the same
-        # softmax(lm_head(last)), weighted by objective.dspark_l1_weight), on slot logits that carry its
-        # Markov bias, which the plain head's loss that target_full weighs never sees.
-        raise ConfigError("config key 'objective.labels': target_full with model.draft.variant=dspark, whose loss "
-                          "distils the target's whole distribution already (use objective.labels=data and "
-                          "weigh it with objective.dspark_l1_weight)")
-    if o.labels != "data":
-        raise ConfigError(f"config key 'objective.labels': {o.labels!r} with model.draft.variant=dspark, whose loss "
-                          "distils the target's whole distribution already (use data)")
-    if o.position_weights != "gamma":
-        raise ConfigError("config key 'objective.position_weights': dspark weighs its slots by exp(-k/gamma) "
-                          "under the prefix rule (use gamma)")
-
-
-def _check_domino(cfg: Config) -> None:
-    """Domino's loss is the cross-entropy of its own final and base logits on the data's tokens, or under
-    target_full their distillation of the target's whole distribution, weighed by exp(-k/gamma) in its
-    anchor-as-first layout (models/variants/domino_loss.py): the target's argmax or top-k labels and
-    D-PACE's weights would be silently ignored, so they are refused."""
-    if cfg.model.draft.variant != "domino":
-        return
-    o = cfg.objective
-    if o.labels not in ("data", "target_full"):
-        raise ConfigError(f"config key 'objective.labels': {o.labels!r} with model.draft.variant=domino, whose loss "
-                          "is the cross-entropy on the data's tokens or the distillation of the target's whole "
-                          "distribution (use data or target_full)")
-    if o.position_weights != "gamma":
-        raise ConfigError("config key 'objective.position_weights': domino weighs its slots by exp(-k/gamma) "
-                          "(use gamma)")
+    for rule in _RULES:  # the variant's own, which the registry adds (models/variants/__init__.py)
+        rule(cfg)
 
 
 def _check_liveness(d: "DistConfig") -> None:

@@ -63,14 +63,6 @@ class GroupedConv(nn.Module):
         return grouped_conv(out, delta.to(out.dtype), self.base_kernel[1].to(out.dtype), self.group_size)
 
 
-def around(conv: GroupedConv | None, sublayer, h: torch.Tensor) -> torch.Tensor:
-    """sublayer(h), wrapped by `conv` where the drafter has one (DFlash 2), as is (DFlash)."""
-    if conv is None:
-        return sublayer(h)
-    h, delta = conv.prepare(h)
-    return conv.finish(sublayer(h), delta)
-
-
 def unary_values(logits: torch.Tensor, multiplier: float, softcap: float) -> torch.Tensor:
     """The served unary scores of raw head logits: scaled, then soft-capped (vLLM's top-K processing)."""
     z = logits.float() * multiplier if multiplier != 1.0 else logits.float()

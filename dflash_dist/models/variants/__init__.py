@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 
-from dflash_dist.config import ConfigError
+from dflash_dist.config import ConfigError, add_rule
 from dflash_dist.models.variants.base import (LossChunk, LossWeights, RunProgress, Variant, accepted_lengths,
                                               check_trains)
 from dflash_dist.models.variants.dflash import DFlash
@@ -56,6 +56,12 @@ def variant_of(name: str) -> Variant:
                           f"{', '.join(VARIANTS)}") from None
 
 
+def check_config(cfg) -> None:
+    """The registry's rule on every loaded config (`config.validate` runs it; added below): the name is a
+    registered variant's, and that variant's own rules on the keys (`Variant.check_config`)."""
+    variant_of(cfg.model.draft.variant).check_config(cfg)
+
+
 def check_objective(cfg) -> None:
     """The variant's rules on a loaded config that need no target (config.py names no variant, so they
     run here: `train.main` right after loading, before any group forms, and `models.build.draft_spec`
@@ -79,6 +85,7 @@ def variant_of_export(cfg: dict) -> Variant:
 
 
 _load_plugins(os.environ.get(PLUGINS_ENV, ""))  # last: a plugin imports this package's names above
+add_rule(check_config)
 
-__all__ = ["PLUGINS_ENV", "VARIANTS", "LossChunk", "LossWeights", "RunProgress", "Variant", "accepted_lengths", "check_objective",
+__all__ = ["PLUGINS_ENV", "VARIANTS", "LossChunk", "LossWeights", "RunProgress", "Variant", "accepted_lengths", "check_config", "check_objective",
            "check_trains", "register", "variant_of", "variant_of_export"]

@@ -114,11 +114,17 @@ class Variant:
     forecast: Any = None
 
     # -- build ---------------------------------------------------------------------------------------
+    def check_config(self, cfg) -> None:
+        """Raise a ConfigError naming the key when the loaded config (`config.Config`) asks this variant
+        for what it cannot train: run by `config.validate` (the registry adds it), before any group forms."""
+
     def check(self, draft_cfg, target) -> None:
         """Raise a ConfigError naming the key when `model.draft` does not fit the target's shapes."""
 
     def sublayer_wrappers(self, spec) -> tuple[nn.Module | None, nn.Module | None]:
-        """(around the attention, around the MLP) of one draft layer; None: the sublayer as it is."""
+        """(around the attention, around the MLP) of one draft layer; None: the sublayer as it is. A
+        wrapper has `prepare(h) -> (input, state)` and `finish(output, state) -> output`, which the
+        backbone calls around the sublayer (`models.drafter.wrapped`)."""
         return None, None
 
     def heads(self, spec) -> dict[str, nn.Module]:

@@ -24,6 +24,7 @@ from dataclasses import replace
 
 import torch
 
+from dflash_dist.config import ConfigError
 from dflash_dist.models.variants.base import LossChunk, RunProgress, Variant
 from dflash_dist.models.variants.domino_head import domino_heads, domino_rollout
 from dflash_dist.models.variants.domino_loss import DominoOptions, domino_lambda, domino_term
@@ -62,6 +63,20 @@ class Domino(Variant):
     unary_loss = False
     full_target_term = True  # target_full: its two terms distil the target's distribution (domino_loss.py)
     vllm_method = None  # vLLM 0.32 cannot serve it
+
+    def check_config(self, cfg) -> None:
+        """Its loss is the cross-entropy of its own final and base logits on the data's tokens, or under
+        target_full their distillation of the target's whole distribution, weighed by exp(-k/gamma) in its
+        anchor-as-first layout (domino_loss.py): the target's argmax or top-k labels and D-PACE's weights
+        would be silently ignored, so they are refused."""
+        o = cfg.objective
+        if o.labels not in ("data", "target_full"):
+            raise ConfigError(f"config key 'objective.labels': {o.labels!r} with model.draft.variant=domino, whose "
+                              "loss is the cross-entropy on the data's tokens or the distillation of the target's "
+                              "whole distribution (use data or target_full)")
+        if o.position_weights != "gamma":
+            raise ConfigError("config key 'objective.position_weights': domino weighs its slots by exp(-k/gamma) "
+                              "(use gamma)")
 
     def heads(self, s):
         return domino_heads(s.hidden_size, s.gru_hidden_dim, s.domino_emb_dim, s.vocab_size)

@@ -44,6 +44,23 @@ class DSpark(Variant):
     # config.json's top-level keys (vLLM's Qwen3DSparkModel reads them off the hf config).
     config_keys = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
 
+    def check_config(self, cfg) -> None:
+        """DSpark trains on the data's tokens with its own terms and decay (dspark_loss.py)."""
+        o = cfg.objective
+        if o.labels == "target_full":
+            # Refused, not mapped: DSpark's loss already is this distillation (the L1 distance to the same
+            # softmax(lm_head(last)), weighted by objective.dspark_l1_weight), on slot logits that carry its
+            # Markov bias, which the plain head's loss that target_full weighs never sees.
+            raise ConfigError("config key 'objective.labels': target_full with model.draft.variant=dspark, whose "
+                              "loss distils the target's whole distribution already (use objective.labels=data and "
+                              "weigh it with objective.dspark_l1_weight)")
+        if o.labels != "data":
+            raise ConfigError(f"config key 'objective.labels': {o.labels!r} with model.draft.variant=dspark, whose "
+                              "loss distils the target's whole distribution already (use data)")
+        if o.position_weights != "gamma":
+            raise ConfigError("config key 'objective.position_weights': dspark weighs its slots by exp(-k/gamma) "
+                              "under the prefix rule (use gamma)")
+
     def check(self, d, target) -> None:
         if d.markov_head_type != "vanilla":
             raise ConfigError(f"config key 'model.draft.markov_head_type': {d.markov_head_type!r}: vLLM 0.32's "
