@@ -110,11 +110,11 @@ class DraftConfig:
     mask_token_id: int = num(-1, ge=-1)  # -1: the tokenizer's mask token / first unused row (hf), last row (tiny)
     seed: int = num(4321, ge=0)  # drafter initialisation
     checkpoint_layers: bool = False  # recompute each draft layer in backward (activations: one layer's)
-    # dflash: the DFlash drafter; dflash2: DFlash 2 (models/dflash2.py), a grouped dynamic convolution
+    # dflash: the DFlash drafter; dflash2: DFlash 2 (models/variants/dflash2/modules.py), a grouped dynamic convolution
     # around each attention and MLP sublayer and a candidate path selector over the unary top-K.
-    # dspark: DSpark (models/variants/dspark.py), "anchor as first" blocks (every slot drafts the next
+    # dspark: DSpark (models/variants/dspark/), "anchor as first" blocks (every slot drafts the next
     # token: B per block) with a low-rank Markov bias on each slot's logits and a confidence head.
-    # domino: Domino (models/variants/domino.py), anchor-as-first blocks whose slots k >= 1 add a logit
+    # domino: Domino (models/variants/domino/), anchor-as-first blocks whose slots k >= 1 add a logit
     # delta from a GRU over the previous tokens' embeddings (SGLang's DFlash projector_type "domino").
     # A name of models/variants' registry (its built-ins, and any registered through DFLASH_VARIANTS):
     # config imports nothing, so the registry refuses an unknown name (`models.variants.check_objective`,
@@ -208,17 +208,17 @@ class ObjectiveConfig:
     # divided by the step's (or batch's) number of blocks instead of its weight sum. Hard labels only.
     position_weights: str = one_of("gamma", "gamma", "dpace")
     dpace_alpha: float = num(0.5, gt=0, le=1)  # D-PACE's confidence smoothing (1 - a) * q + a (the paper's 0.5)
-    # dflash2: weight alpha of the selector's K-way cross-entropy (models/variants/dflash2_loss.py) beside the unary
+    # dflash2: weight alpha of the selector's K-way cross-entropy (models/variants/dflash2/loss.py) beside the unary
     # loss (1.0: speculators' and SpecForge's default); selector_detach: none of its gradient into the backbone.
     selector_weight: float = num(1.0, ge=0)
     selector_detach: bool = False
-    # dspark: the terms of its loss (models/variants/dspark_loss.py): cross-entropy on the data token, the
+    # dspark: the terms of its loss (models/variants/dspark/loss.py): cross-entropy on the data token, the
     # L1 distance to the target's distribution and the confidence head's BCE (the DSpark paper's 0.1 / 0.9 / 1).
     dspark_ce_weight: float = num(0.1, ge=0)
     dspark_l1_weight: float = num(0.9, ge=0)
     dspark_confidence_weight: float = num(1.0, ge=0)
     # domino: (1 - lambda) CE(final logits) + lambda CE(base logits), lambda falling linearly from 1 to 0
-    # over this share of the run's optimizer steps (models/variants/domino_loss.py; 1.0: the whole run).
+    # over this share of the run's optimizer steps (models/variants/domino/loss.py; 1.0: the whole run).
     domino_lambda_fraction: float = num(1.0, gt=0, le=1)
 
 

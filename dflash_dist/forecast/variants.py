@@ -62,7 +62,7 @@ class DFlash2Forecast(DFlashForecast):
 
     def params(self, s, cfg):
         """Per layer two convolutions, each a base kernel (2, taps, H) and a projection H -> 2 x taps x H /
-        group (models/dflash2.py); the selector's two codebooks (V x R each) and its hidden projection (R x H)."""
+        group (models/variants/dflash2/modules.py); the selector's two codebooks (V x R each) and its hidden projection (R x H)."""
         d = cfg.model.draft
         H, taps = s.hidden, d.conv_kernel_size
         conv = 2 * taps * H + H * 2 * taps * (H // d.conv_group_size)
@@ -114,7 +114,7 @@ class DSparkForecast(DFlashForecast):
 
     def params(self, s, cfg):
         """The Markov head's W1 and W2 (V x r each: 77.8M at Qwen3-8B's V 151,936 and r 256;
-        models/variants/dspark_heads.py) and the confidence head's projection of [h; W1[prev]] (H + r, or H)
+        models/variants/dspark/heads.py) and the confidence head's projection of [h; W1[prev]] (H + r, or H)
         and its bias."""
         d = cfg.model.draft
         r = d.markov_rank
@@ -123,7 +123,7 @@ class DSparkForecast(DFlashForecast):
 
     def chunk_bytes(self, s, p, cfg, rows, block_rows, anchors):
         """DSpark drafts every slot (anchor as first) and its loss replaces the plain head's
-        (models/variants/dspark_loss.py): it keeps the input gradients it computes in the forward, per
+        (models/variants/dspark/loss.py): it keeps the input gradients it computes in the forward, per
         labelled row (every row, an upper bound) one of h (H, the compute dtype) and of W1[prev] (r,
         float32), and W2's (V x r, float32); each row chunk holds two float32 (rows, V) buffers (the
         slot's softmax and the target's) beside the matmul's output."""
@@ -147,7 +147,7 @@ class DominoForecast(DFlashForecast):
 
     def params(self, s, cfg):
         """The bias-free GRU's W_ih (3G x H) and W_hh (3G x G), the delta's W1 (E x (H + G)) and W2 (V x E:
-        38.9M at Qwen3-8B's V 151,936 and E 256; models/variants/domino_head.py)."""
+        38.9M at Qwen3-8B's V 151,936 and E 256; models/variants/domino/head.py)."""
         d = cfg.model.draft
         G, E, H = d.gru_hidden_dim, d.domino_emb_dim, s.hidden
         return 3 * G * (H + G) + E * (H + G) + s.vocab * E
@@ -156,7 +156,7 @@ class DominoForecast(DFlashForecast):
         """Every row counted as labelled, as DSpark's: the GRU's autograd keeps per row and slot about ten
         G-wide float32 tensors (the gates' inputs and outputs, the state); the delta keeps [h; s] (H + G),
         W1's output and SiLU's (2E), float32; the loss keeps the input gradients it computes in the forward
-        (models/variants/domino_loss.py) of h (H, the compute dtype) and of the delta features (E, float32)
+        (models/variants/domino/loss.py) of h (H, the compute dtype) and of the delta features (E, float32)
         and W2's (V x E, float32); each row chunk holds two float32 (rows, V) buffers (the base logits'
         softmax and the final's) beside the head matmul's output, four under target_full (p_t and a
         scratch too: domino_loss._distill_chunk)."""
@@ -167,7 +167,7 @@ class DominoForecast(DFlashForecast):
         return ChunkBytes(saved=saved, loss=rows * V * (4 * buffers + (c if c != 4 else 0)))
 
     def cost_terms(self, s, cfg, c, block_rows, rows, anchors):
-        """Beyond the LM head's forward and input gradient (domino_loss.py, domino_head.py): the GRU over
+        """Beyond the LM head's forward and input gradient (models/variants/domino/loss.py, head.py): the GRU over
         every block row (its input and recurrent products, 3G x (H + G) each row; trained: 3 x forward),
         the delta on the labelled rows (W1 over [h; s], W2 to the vocabulary: forward, input gradient and
         weight gradient each), and the second float32 (rows, V) buffer (the final logits' softmax and

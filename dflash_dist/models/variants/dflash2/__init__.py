@@ -1,5 +1,5 @@
 """DFlash 2: the grouped convolution around each sublayer and the candidate selector on the final states
-(`models/dflash2.py`), the selector's term of the objective (`dflash2_loss.py`); served by vLLM 0.32's
+(`models/variants/dflash2/modules.py`), the selector's term of the objective (`loss.py`); served by vLLM 0.32's
 `qwen3_dflash2.py` under the architecture `DFlash2DraftModel` (its `dflash_config` keys: `config_keys`)."""
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from dflash_dist.config import ConfigError
-from dflash_dist.models.dflash2 import (CandidateSelector, GroupedConv, candidate_logits, unary_top_k, unary_values,
-                                       walk)
 from dflash_dist.models.variants.base import LossChunk, LossWeights, Variant
-from dflash_dist.models.variants.dflash2_loss import selector_term
+from dflash_dist.models.variants.dflash2.loss import selector_term
+from dflash_dist.models.variants.dflash2.modules import (CandidateSelector, GroupedConv, candidate_logits, unary_top_k,
+                                                         unary_values, walk)
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class DFlash2(Variant):
                    "selector_rank", "selector_top_k")
 
     def check_config(self, cfg) -> None:
-        """The convolution reads rows of one block only (models/dflash2.py grouped_conv); with more taps
+        """The convolution reads rows of one block only (models/variants/dflash2/modules.py grouped_conv); with more taps
         than block_size + 1 the shifted block no longer lines up with it (a RuntimeError in the first
         step; block_size + 1 taps still run, the taps past block_size reading only zeros). Checked here,
         not in `check`: that sees the draft's keys only, and the block size is objective.block_size."""

@@ -1,5 +1,5 @@
 """DSpark: the DFlash backbone with "anchor as first" blocks, a low-rank Markov bias on every slot's
-logits and a confidence head (`dspark_heads.py`), trained by `dspark_loss.py`; served by vLLM 0.32's
+logits and a confidence head (`heads.py`), trained by `loss.py`; served by vLLM 0.32's
 `qwen3_dspark.py` (`Qwen3DSparkForCausalLM`) and its `DSparkSpeculator` under the architecture
 `Qwen3DSparkModel`.
 
@@ -16,8 +16,8 @@ import torch
 
 from dflash_dist.config import ConfigError
 from dflash_dist.models.variants.base import LossChunk, LossWeights, Variant
-from dflash_dist.models.variants.dspark_heads import ConfidenceHead, MarkovHead, markov_walk
-from dflash_dist.models.variants.dspark_loss import DSparkOptions, dspark_term, slot_metrics
+from dflash_dist.models.variants.dspark.heads import ConfidenceHead, MarkovHead, markov_walk
+from dflash_dist.models.variants.dspark.loss import DSparkOptions, dspark_term, slot_metrics
 
 # The DSpark paper's position decay exp(-k / 4), where objective.gamma leaves it to the variant.
 GAMMA = 4.0
@@ -45,7 +45,7 @@ class DSpark(Variant):
     config_keys = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
 
     def check_config(self, cfg) -> None:
-        """DSpark trains on the data's tokens with its own terms and decay (dspark_loss.py)."""
+        """DSpark trains on the data's tokens with its own terms and decay (loss.py)."""
         o = cfg.objective
         if o.labels == "target_full":
             # Refused, not mapped: DSpark's loss already is this distillation (the L1 distance to the same
@@ -91,7 +91,7 @@ class DSpark(Variant):
                              objective.dspark_confidence_weight)
 
     def loss_term(self, model, hidden, chunk: LossChunk, loss_sum, metrics, top, options: DSparkOptions):
-        """The whole loss (`dspark_loss.py`); acc and acceptance count every slot as a draft."""
+        """The whole loss (`loss.py`); acc and acceptance count every slot as a draft."""
         loss, pred = dspark_term(model, hidden, chunk, options)
         correct, accept_sum = slot_metrics(pred, chunk.labels)
         return loss, replace(metrics, loss_sum=loss.detach(), correct=correct, accept_sum=accept_sum)
