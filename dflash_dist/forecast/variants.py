@@ -3,8 +3,9 @@
 The memory model (`forecast.memory`) and the cost model (`forecast.cost`) count the DFlash drafter's
 tensors and work; a variant's own modules (its heads, convolutions, loss) add parameters, saved bytes and
 work that only it has. Each variant here answers the same five questions, so the two models ask them
-without knowing which variant runs, and a new variant is one more class (and one more entry in
-`FORECASTS`, which must name every variant of `models.variants.VARIANTS`):
+without knowing which variant runs. A built-in variant's object is one more class here (and one more
+entry in `FORECASTS`, which names every built-in of `models.variants.VARIANTS`); a variant registered
+from outside the package declares its own as `Variant.forecast` (`forecast_of` asks it first):
 
   params           parameters beyond the DFlash drafter's (exact: tested against the built module)
   layer_row_bytes  bytes each draft layer saves per block row beyond a DFlash layer's

@@ -10,7 +10,9 @@ variant adds to it, in one object:
   (`loss_top_k`) that the loss computed on its way;
 - its export contract (`config_fields` / `spec_fields`, the model card's lines);
 - its greedy decode step (`block_tokens`), which both decoders and the export's parity tests call.
-A new variant is a new module here plus one line in `models/variants/__init__.py`.
+A new variant is a folder here (`<name>/__init__.py` its Variant, beside its modules and loss term)
+plus one line in `models/variants/__init__.py`, or a class registered from outside the package by
+DFLASH_VARIANTS=module:Class (the registry's docstring says why an environment variable).
 """
 from __future__ import annotations
 
