@@ -138,7 +138,7 @@ class DFlashDrafter(nn.Module):
     def context(self, features: torch.Tensor) -> torch.Tensor:
         """(N, n_layers*H) target features -> (N, H) fused context. Under autocast the features go to
         `fc` as they are (bf16): a float32 copy of a 49K-token batch would be 3.8 GiB for nothing. Columns past the
-        captured layers' (DSpark's target final state, `Variant.final_hidden_features`) are not the context's."""
+        captured layers' (DSpark's target final state, `Variant.needs.final_hidden`) are not the context's."""
         if features.shape[-1] != self.fc.in_features:
             features = features[..., :self.fc.in_features]
         if not torch.is_autocast_enabled(features.device.type):

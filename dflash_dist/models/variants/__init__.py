@@ -13,8 +13,8 @@ import importlib
 import os
 
 from dflash_dist.config import ConfigError, add_rule
-from dflash_dist.models.variants.base import (LossChunk, LossWeights, RunProgress, Variant, accepted_lengths,
-                                              check_trains)
+from dflash_dist.models.variants.base import (BlockLayout, LossChunk, LossWeights, Needs, RunProgress, Variant,
+                                              accepted_lengths, check_trains)
 from dflash_dist.models.variants.dflash import DFlash
 from dflash_dist.models.variants.dflash2 import DFlash2
 from dflash_dist.models.variants.domino import Domino
@@ -87,5 +87,5 @@ def variant_of_export(cfg: dict) -> Variant:
 _load_plugins(os.environ.get(PLUGINS_ENV, ""))  # last: a plugin imports this package's names above
 add_rule(check_config)
 
-__all__ = ["PLUGINS_ENV", "VARIANTS", "LossChunk", "LossWeights", "RunProgress", "Variant", "accepted_lengths", "check_config", "check_objective",
+__all__ = ["PLUGINS_ENV", "VARIANTS", "BlockLayout", "LossChunk", "Needs", "LossWeights", "RunProgress", "Variant", "accepted_lengths", "check_config", "check_objective",
            "check_trains", "register", "variant_of", "variant_of_export"]

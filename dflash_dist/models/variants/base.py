@@ -42,6 +42,25 @@ class RunProgress:
 
 
 @dataclass(frozen=True)
+class BlockLayout:
+    """Where a variant's block drafts: the keywords of `training.objective.block_labels`, which the step
+    passes as they are. DFlash (the default): slot 0 holds the anchor and drafts nothing, slot k drafts
+    anchor + k (B - 1 drafts). `anchor_drafts` (anchor as first: DSpark, Domino): slot k drafts
+    anchor + k + 1, every slot a draft (B). `prefix`: a slot after an untrained one (past the sequence or
+    the loss mask) trains neither (DSpark)."""
+    anchor_drafts: bool = False
+    prefix: bool = False
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a variant needs of the target beyond the captured layers' features: `final_hidden`, its
+    final-normed last hidden state as one more H-wide block of each token's features (DSpark's teacher;
+    the transport and the capture read it). (The run's progress, `RunProgress`, reaches every loss term.)"""
+    final_hidden: bool = False
+
+
+@dataclass(frozen=True)
 class LossChunk:
     """One anchor chunk of a batch as a variant's loss term sees it: the packed batch's token ids, the
     chunk's anchors (packed indices), its labels and position weights (A, B), the LM head's row chunk,
@@ -94,19 +113,14 @@ class Variant:
     # dflash_config.projector_type: what tells variants of one architecture apart (Domino's "domino"; None: absent)
     projector_type: str | None = None
     config_keys: tuple[str, ...] = ()  # DraftSpec fields of this variant, exported in dflash_config
-    # The block's layout. DFlash: slot 0 holds the anchor and drafts nothing, slot k drafts anchor + k
-    # (B - 1 drafts). Anchor as first (DSpark): slot k drafts anchor + k + 1, every slot a draft (B).
-    anchor_drafts = False
-    # The prefix rule: a slot after an untrained one (past the sequence or the loss mask) trains neither.
-    prefix_labels = False
+    layout = BlockLayout()  # its block layout, which the step's labels read (DFlash's: the default)
     # Whether `loss_term` adds to the plain head's cross-entropy (`lm_head_loss`); False: its term is the
     # whole loss (DSpark: its slot logits carry a bias the plain head lacks) and the step skips that pass.
     unary_loss = True
     # With `unary_loss` False: whether `loss_term` trains on objective.labels=target_full itself, against
     # `LossChunk.full` (Domino); a unary variant takes target_full through the plain head's loss.
     full_target_term = False
-    # Targets send their final-normed last hidden state as one more H-wide block of each token's features.
-    final_hidden_features = False
+    needs = Needs()  # what it needs of the target beyond the features (DFlash: nothing)
     # State-dict prefixes exported in float32 whatever the export's dtype (the engine's params are).
     float32_prefixes: tuple[str, ...] = ()
     vllm_method: str | None = "dflash"  # vLLM's speculative method for this architecture (None: vLLM cannot serve it)
@@ -114,6 +128,19 @@ class Variant:
     # `forecast.variants.DFlashForecast` (which this layer cannot import). None: forecast/variants.py's
     # object of the same name (the built-ins'); a variant registered from outside declares its own here.
     forecast: Any = None
+
+    # The declared values by the names earlier issues gave them (the decoders, forecasts and tests read them).
+    @property
+    def anchor_drafts(self) -> bool:
+        return self.layout.anchor_drafts
+
+    @property
+    def prefix_labels(self) -> bool:
+        return self.layout.prefix
+
+    @property
+    def final_hidden_features(self) -> bool:
+        return self.needs.final_hidden
 
     # -- build ---------------------------------------------------------------------------------------
     def check_config(self, cfg) -> None:

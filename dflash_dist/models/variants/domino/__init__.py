@@ -25,7 +25,7 @@ from dataclasses import replace
 import torch
 
 from dflash_dist.config import ConfigError
-from dflash_dist.models.variants.base import LossChunk, RunProgress, Variant
+from dflash_dist.models.variants.base import BlockLayout, LossChunk, RunProgress, Variant
 from dflash_dist.models.variants.domino.head import domino_heads, domino_rollout
 from dflash_dist.models.variants.domino.loss import DominoOptions, domino_lambda, domino_term
 from dflash_dist.models.variants.dspark.loss import slot_metrics
@@ -58,8 +58,7 @@ class Domino(Variant):
     title = "Domino"
     architecture = "DFlashDraftModel"  # SGLang's DFlash model class; the projector type tells Domino apart
     projector_type = PROJECTOR
-    anchor_drafts = True
-    prefix_labels = False
+    layout = BlockLayout(anchor_drafts=True)
     unary_loss = False
     full_target_term = True  # target_full: its two terms distil the target's distribution (loss.py)
     vllm_method = None  # vLLM 0.32 cannot serve it

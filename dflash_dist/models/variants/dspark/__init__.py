@@ -15,7 +15,7 @@ from dataclasses import replace
 import torch
 
 from dflash_dist.config import ConfigError
-from dflash_dist.models.variants.base import LossChunk, LossWeights, Variant
+from dflash_dist.models.variants.base import BlockLayout, LossChunk, LossWeights, Needs, Variant
 from dflash_dist.models.variants.dspark.heads import ConfidenceHead, MarkovHead, markov_walk
 from dflash_dist.models.variants.dspark.loss import DSparkOptions, dspark_term, slot_metrics
 
@@ -35,10 +35,9 @@ class DSpark(Variant):
     name = "dspark"
     title = "DSpark"
     architecture = "Qwen3DSparkModel"
-    anchor_drafts = True
-    prefix_labels = True
+    layout = BlockLayout(anchor_drafts=True, prefix=True)
     unary_loss = False
-    final_hidden_features = True
+    needs = Needs(final_hidden=True)
     float32_prefixes = ("confidence_head.",)
     vllm_method = "dspark"
     # config.json's top-level keys (vLLM's Qwen3DSparkModel reads them off the hf config).

@@ -94,7 +94,7 @@ def dspark_term(model, hidden: torch.Tensor, chunk, options: DSparkOptions):
     A, B, H = hidden.shape
     if chunk.features is None or chunk.features.shape[1] != (len(s.target_layer_ids) + 1) * H:
         raise ValueError("dspark_term: the features must end with the target's final hidden state "
-                         "(DSpark.final_hidden_features; parallel/transport.py packet_spec)")
+                         "(DSpark.needs.final_hidden; parallel/transport.py packet_spec)")
     sel = torch.nonzero(chunk.labels.reshape(-1) >= 0).squeeze(1)
     prev = previous_tokens(chunk.input_ids, chunk.anchors, B).reshape(-1)[sel]
     # The target's prediction for slot k's token is its state at anchor + k (a causal LM's next token).
