@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 import typing
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -110,14 +110,16 @@ class DraftConfig:
     mask_token_id: int = num(-1, ge=-1)  # -1: the tokenizer's mask token / first unused row (hf), last row (tiny)
     seed: int = num(4321, ge=0)  # drafter initialisation
     checkpoint_layers: bool = False  # recompute each draft layer in backward (activations: one layer's)
-    # dflash: the DFlash drafter; dflash2: DFlash 2 (models/dflash2.py), a grouped dynamic convolution
+    # dflash: the DFlash drafter; dflash2: DFlash 2 (models/variants/dflash2/modules.py), a grouped dynamic convolution
     # around each attention and MLP sublayer and a candidate path selector over the unary top-K.
-    # dspark: DSpark (models/variants/dspark.py), "anchor as first" blocks (every slot drafts the next
+    # dspark: DSpark (models/variants/dspark/), "anchor as first" blocks (every slot drafts the next
     # token: B per block) with a low-rank Markov bias on each slot's logits and a confidence head.
-    # domino: Domino (models/variants/domino.py), anchor-as-first blocks whose slots k >= 1 add a logit
+    # domino: Domino (models/variants/domino/), anchor-as-first blocks whose slots k >= 1 add a logit
     # delta from a GRU over the previous tokens' embeddings (SGLang's DFlash projector_type "domino").
-    # The names of models/variants' registry (tests/unit check the two agree; config imports nothing).
-    variant: str = one_of("dflash", "dflash", "dflash2", "dspark", "domino")
+    # A name of models/variants' registry (its built-ins, and any registered through DFLASH_VARIANTS):
+    # config imports nothing, so the registry refuses an unknown name (`models.variants.check_objective`,
+    # which `train.main` runs right after loading, before any group forms).
+    variant: str = "dflash"
     conv_kernel_size: int = num(2, ge=1)  # dflash2: taps of the convolution (in-block rows it reads)
     conv_group_size: int = num(16, ge=1)  # dflash2: channels per delta group (must divide the hidden size)
     selector_top_k: int = num(16, ge=1)  # dflash2: candidates per drafted position
@@ -206,17 +208,17 @@ class ObjectiveConfig:
     # divided by the step's (or batch's) number of blocks instead of its weight sum. Hard labels only.
     position_weights: str = one_of("gamma", "gamma", "dpace")
     dpace_alpha: float = num(0.5, gt=0, le=1)  # D-PACE's confidence smoothing (1 - a) * q + a (the paper's 0.5)
-    # dflash2: weight alpha of the selector's K-way cross-entropy (models/variants/dflash2_loss.py) beside the unary
+    # dflash2: weight alpha of the selector's K-way cross-entropy (models/variants/dflash2/loss.py) beside the unary
     # loss (1.0: speculators' and SpecForge's default); selector_detach: none of its gradient into the backbone.
     selector_weight: float = num(1.0, ge=0)
     selector_detach: bool = False
-    # dspark: the terms of its loss (models/variants/dspark_loss.py): cross-entropy on the data token, the
+    # dspark: the terms of its loss (models/variants/dspark/loss.py): cross-entropy on the data token, the
     # L1 distance to the target's distribution and the confidence head's BCE (the DSpark paper's 0.1 / 0.9 / 1).
     dspark_ce_weight: float = num(0.1, ge=0)
     dspark_l1_weight: float = num(0.9, ge=0)
     dspark_confidence_weight: float = num(1.0, ge=0)
     # domino: (1 - lambda) CE(final logits) + lambda CE(base logits), lambda falling linearly from 1 to 0
-    # over this share of the run's optimizer steps (models/variants/domino_loss.py; 1.0: the whole run).
+    # over this share of the run's optimizer steps (models/variants/domino/loss.py; 1.0: the whole run).
     domino_lambda_fraction: float = num(1.0, gt=0, le=1)
 
 
@@ -370,6 +372,20 @@ def _check_ranges(cfg: Config) -> None:
             raise ConfigError(f"config key '{key}': must be {rng}, got {v!r}")
 
 
+# Rules a layer above adds to `validate`: config.py imports nothing of the project and names no variant,
+# so the variant registry (models/variants/__init__.py, imported with any module of models/) adds the
+# variants' own: the name is a registered one, and that variant's rules on the loaded keys
+# (`Variant.check_config`). A process that never imports models/ builds no drafter either.
+_RULES: list[Callable[[Config], None]] = []
+
+
+def add_rule(rule: Callable[[Config], None]) -> None:
+    """Have `validate` (so `load_config`) run `rule(cfg)` after its own checks; a ConfigError it raises
+    names the key."""
+    if rule not in _RULES:
+        _RULES.append(rule)
+
+
 def validate(cfg: Config) -> None:
     """Checks that need no process group and no model weights (those come in `models.build.draft_spec`):
     each numeric key against the range its schema field declares, then the rules that relate keys. The
@@ -398,57 +414,8 @@ def validate(cfg: Config) -> None:
     t = cfg.model.target
     if t.num_heads % t.num_kv_heads:
         raise ConfigError("config key 'model.target.num_kv_heads': must divide model.target.num_heads")
-    _check_conv_taps(cfg)
-    _check_dspark(cfg)
-    _check_domino(cfg)
-
-
-def _check_conv_taps(cfg: Config) -> None:
-    """DFlash 2's convolution reads rows of one block only (models/dflash2.py grouped_conv); with more taps
-    than block_size + 1 the shifted block no longer lines up with it (a RuntimeError in the first step;
-    block_size + 1 taps still run, the taps past block_size reading only zeros). Checked here, not in
-    DFlash2.check: that sees the draft's keys only, and the block size is objective.block_size."""
-    k, b = cfg.model.draft.conv_kernel_size, cfg.objective.block_size
-    if cfg.model.draft.variant == "dflash2" and k > b + 1:
-        raise ConfigError(f"config key 'model.draft.conv_kernel_size': {k} exceeds objective.block_size + 1 "
-                          f"({b} + 1): the convolution's taps read rows of one block only")
-
-
-def _check_dspark(cfg: Config) -> None:
-    """DSpark trains on the data's tokens with its own terms and decay (models/variants/dspark_loss.py)."""
-    if cfg.model.draft.variant != "dspark":
-        return
-    o = cfg.objective
-    if o.labels == "target_full":
-        # Refused, not mapped: DSpark's loss already is this distillation (the L1 distance to the same
-        # softmax(lm_head(last)), weighted by objective.dspark_l1_weight), on slot logits that carry its
-        # Markov bias, which the plain head's loss that target_full weighs never sees.
-        raise ConfigError("config key 'objective.labels': target_full with model.draft.variant=dspark, whose loss "
-                          "distils the target's whole distribution already (use objective.labels=data and "
-                          "weigh it with objective.dspark_l1_weight)")
-    if o.labels != "data":
-        raise ConfigError(f"config key 'objective.labels': {o.labels!r} with model.draft.variant=dspark, whose loss "
-                          "distils the target's whole distribution already (use data)")
-    if o.position_weights != "gamma":
-        raise ConfigError("config key 'objective.position_weights': dspark weighs its slots by exp(-k/gamma) "
-                          "under the prefix rule (use gamma)")
-
-
-def _check_domino(cfg: Config) -> None:
-    """Domino's loss is the cross-entropy of its own final and base logits on the data's tokens, or under
-    target_full their distillation of the target's whole distribution, weighed by exp(-k/gamma) in its
-    anchor-as-first layout (models/variants/domino_loss.py): the target's argmax or top-k labels and
-    D-PACE's weights would be silently ignored, so they are refused."""
-    if cfg.model.draft.variant != "domino":
-        return
-    o = cfg.objective
-    if o.labels not in ("data", "target_full"):
-        raise ConfigError(f"config key 'objective.labels': {o.labels!r} with model.draft.variant=domino, whose loss "
-                          "is the cross-entropy on the data's tokens or the distillation of the target's whole "
-                          "distribution (use data or target_full)")
-    if o.position_weights != "gamma":
-        raise ConfigError("config key 'objective.position_weights': domino weighs its slots by exp(-k/gamma) "
-                          "(use gamma)")
+    for rule in _RULES:  # the variant's own, which the registry adds (models/variants/__init__.py)
+        rule(cfg)
 
 
 def _check_liveness(d: "DistConfig") -> None:

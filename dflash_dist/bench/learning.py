@@ -299,7 +299,7 @@ def main(argv=None) -> None:
     target = build_target(base_cfg, torch.device("cpu"))
     layer_ids = check_against_target(p, a, target)
     # The final hidden state is captured once for all when any variant reads it (DSpark, target_full).
-    final = any(sends_final_hidden(c.objective.labels, variant_of(c.model.draft.variant).final_hidden_features)
+    final = any(sends_final_hidden(c.objective.labels, variant_of(c.model.draft.variant).needs.final_hidden)
                 for c in a.cfgs.values())
     key = feature_key(data, base_cfg.model.target, layer_ids, final)
     cache = Path(base_cfg.data.cache_dir) / f"learning-features-{key}.pt"

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         model.load_state_dict(backbone, strict=False)  # the same backbone; a variant's own modules stay
         objective = ObjectiveConfig(block_size=B, num_anchors=args.num_anchors, labels=labels)
         settings = replace(step_settings(objective, model.spec), batch_mean=True)
-        width = (len(spec.target_layer_ids) + sends_final_hidden(labels, model.variant.final_hidden_features)) * H
+        width = (len(spec.target_layer_ids) + sends_final_hidden(labels, model.variant.needs.final_hidden)) * H
         batch = StepBatch(data, feats[:, :width], None, anchors, anchor_cu, RunProgress(50, 100))
 
         def step(model=model, batch=batch, settings=settings):

@@ -269,7 +269,7 @@ def feature_blocks(s: ModelShapes, cfg: Config) -> int:
 
 
 def _sends_final(cfg: Config) -> bool:
-    return sends_final_hidden(cfg.objective.labels, variant_of(cfg.model.draft.variant).final_hidden_features)
+    return sends_final_hidden(cfg.objective.labels, variant_of(cfg.model.draft.variant).needs.final_hidden)
 
 
 def runs_whole_target(cfg: Config) -> bool:

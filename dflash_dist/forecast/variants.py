@@ -3,8 +3,9 @@
 The memory model (`forecast.memory`) and the cost model (`forecast.cost`) count the DFlash drafter's
 tensors and work; a variant's own modules (its heads, convolutions, loss) add parameters, saved bytes and
 work that only it has. Each variant here answers the same five questions, so the two models ask them
-without knowing which variant runs, and a new variant is one more class (and one more entry in
-`FORECASTS`, which must name every variant of `models.variants.VARIANTS`):
+without knowing which variant runs. A built-in variant's object is one more class here (and one more
+entry in `FORECASTS`, which names every built-in of `models.variants.VARIANTS`); a variant registered
+from outside the package declares its own as `Variant.forecast` (`forecast_of` asks it first):
 
   params           parameters beyond the DFlash drafter's (exact: tested against the built module)
   layer_row_bytes  bytes each draft layer saves per block row beyond a DFlash layer's
@@ -21,6 +22,7 @@ from dflash_dist.config import Config, ConfigError
 from dflash_dist.forecast.job import Precision
 from dflash_dist.forecast.shapes import ModelShapes
 from dflash_dist.forecast.work import Term
+from dflash_dist.models.variants import variant_of
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,7 @@ class DFlash2Forecast(DFlashForecast):
 
     def params(self, s, cfg):
         """Per layer two convolutions, each a base kernel (2, taps, H) and a projection H -> 2 x taps x H /
-        group (models/dflash2.py); the selector's two codebooks (V x R each) and its hidden projection (R x H)."""
+        group (models/variants/dflash2/modules.py); the selector's two codebooks (V x R each) and its hidden projection (R x H)."""
         d = cfg.model.draft
         H, taps = s.hidden, d.conv_kernel_size
         conv = 2 * taps * H + H * 2 * taps * (H // d.conv_group_size)
@@ -113,7 +115,7 @@ class DSparkForecast(DFlashForecast):
 
     def params(self, s, cfg):
         """The Markov head's W1 and W2 (V x r each: 77.8M at Qwen3-8B's V 151,936 and r 256;
-        models/variants/dspark_heads.py) and the confidence head's projection of [h; W1[prev]] (H + r, or H)
+        models/variants/dspark/heads.py) and the confidence head's projection of [h; W1[prev]] (H + r, or H)
         and its bias."""
         d = cfg.model.draft
         r = d.markov_rank
@@ -122,7 +124,7 @@ class DSparkForecast(DFlashForecast):
 
     def chunk_bytes(self, s, p, cfg, rows, block_rows, anchors):
         """DSpark drafts every slot (anchor as first) and its loss replaces the plain head's
-        (models/variants/dspark_loss.py): it keeps the input gradients it computes in the forward, per
+        (models/variants/dspark/loss.py): it keeps the input gradients it computes in the forward, per
         labelled row (every row, an upper bound) one of h (H, the compute dtype) and of W1[prev] (r,
         float32), and W2's (V x r, float32); each row chunk holds two float32 (rows, V) buffers (the
         slot's softmax and the target's) beside the matmul's output."""
@@ -146,7 +148,7 @@ class DominoForecast(DFlashForecast):
 
     def params(self, s, cfg):
         """The bias-free GRU's W_ih (3G x H) and W_hh (3G x G), the delta's W1 (E x (H + G)) and W2 (V x E:
-        38.9M at Qwen3-8B's V 151,936 and E 256; models/variants/domino_head.py)."""
+        38.9M at Qwen3-8B's V 151,936 and E 256; models/variants/domino/head.py)."""
         d = cfg.model.draft
         G, E, H = d.gru_hidden_dim, d.domino_emb_dim, s.hidden
         return 3 * G * (H + G) + E * (H + G) + s.vocab * E
@@ -155,7 +157,7 @@ class DominoForecast(DFlashForecast):
         """Every row counted as labelled, as DSpark's: the GRU's autograd keeps per row and slot about ten
         G-wide float32 tensors (the gates' inputs and outputs, the state); the delta keeps [h; s] (H + G),
         W1's output and SiLU's (2E), float32; the loss keeps the input gradients it computes in the forward
-        (models/variants/domino_loss.py) of h (H, the compute dtype) and of the delta features (E, float32)
+        (models/variants/domino/loss.py) of h (H, the compute dtype) and of the delta features (E, float32)
         and W2's (V x E, float32); each row chunk holds two float32 (rows, V) buffers (the base logits'
         softmax and the final's) beside the head matmul's output, four under target_full (p_t and a
         scratch too: domino_loss._distill_chunk)."""
@@ -166,7 +168,7 @@ class DominoForecast(DFlashForecast):
         return ChunkBytes(saved=saved, loss=rows * V * (4 * buffers + (c if c != 4 else 0)))
 
     def cost_terms(self, s, cfg, c, block_rows, rows, anchors):
-        """Beyond the LM head's forward and input gradient (domino_loss.py, domino_head.py): the GRU over
+        """Beyond the LM head's forward and input gradient (models/variants/domino/loss.py, head.py): the GRU over
         every block row (its input and recurrent products, 3G x (H + G) each row; trained: 3 x forward),
         the delta on the labelled rows (W1 over [h; s], W2 to the vocabulary: forward, input gradient and
         weight gradient each), and the second float32 (rows, V) buffer (the final logits' softmax and
@@ -190,12 +192,18 @@ FORECASTS: dict[str, DFlashForecast] = {f.name: f for f in (DFlashForecast(), DF
 
 
 def forecast_of(cfg: Config) -> DFlashForecast:
+    """The variant's forecast terms: its own (`Variant.forecast`, a variant registered from outside the
+    package), else this module's object of its name."""
     name = cfg.model.draft.variant
+    own = variant_of(name).forecast  # an unknown name: the registry's ConfigError naming the key
+    if own is not None:
+        return own
     try:
         return FORECASTS[name]
     except KeyError:
         raise ConfigError(f"config key 'model.draft.variant': {name!r} has no forecast terms "
-                          f"(forecast/variants.py knows {', '.join(FORECASTS)})") from None
+                          f"(forecast/variants.py knows {', '.join(FORECASTS)}; a variant registered from "
+                          "outside declares its own as Variant.forecast)") from None
 
 
 def draft_param_count(s: ModelShapes, cfg: Config) -> int:

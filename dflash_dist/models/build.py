@@ -1,6 +1,8 @@
 """Build the frozen target and the drafter's spec from the config, with the checks that need the target."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from dflash_dist.config import Config, ConfigError, default_target_layer_ids
@@ -65,19 +67,17 @@ def draft_spec(cfg: Config, target) -> DraftSpec:
     if heads % kv:
         raise ConfigError(f"config key 'model.draft.num_kv_heads': {kv} does not divide num_heads {heads}")
     variant_of(d.variant).check(d, target)
-    return DraftSpec(
+    backbone = dict(
         vocab_size=target.vocab_size, hidden_size=target.hidden_size,
         intermediate_size=d.intermediate_size or target.intermediate_size, num_layers=d.num_layers,
         num_heads=heads, num_kv_heads=kv, head_dim=d.head_dim or target.head_dim,
         rope_theta=target.rope_theta, rms_eps=target.rms_eps, block_size=cfg.objective.block_size,
         mask_token_id=mask, target_layer_ids=tuple(ids), num_target_layers=L,
-        max_position_embeddings=target.max_position_embeddings, variant=d.variant,
-        conv_kernel_size=d.conv_kernel_size, conv_group_size=d.conv_group_size, selector_top_k=d.selector_top_k,
-        selector_rank=d.selector_rank, output_multiplier=d.output_multiplier,
-        final_logit_softcapping=d.final_logit_softcapping, markov_rank=d.markov_rank,
-        markov_head_type=d.markov_head_type, enable_confidence_head=d.enable_confidence_head,
-        confidence_head_with_markov=d.confidence_head_with_markov, gru_hidden_dim=d.gru_hidden_dim,
-        domino_emb_dim=d.domino_emb_dim)
+        max_position_embeddings=target.max_position_embeddings, variant=d.variant)
+    # The variants' fields, copied by name from model.draft (no list here to extend per variant)
+    own = {f.name: getattr(d, f.name) for f in dataclasses.fields(DraftSpec)
+           if f.name not in backbone and hasattr(d, f.name)}
+    return DraftSpec(**backbone, **own)
 
 
 def build_drafter(spec: DraftSpec, target, seed: int, device: torch.device,

@@ -15,7 +15,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dflash_dist.models.attention import packed_block_attention, prepare_block_attention
-from dflash_dist.models.dflash2 import around, candidate_logits, unary_top_k, unary_values
 from dflash_dist.models.qwen3 import DecoderLayer, RMSNorm, apply_rope, rope_cos_sin
 from dflash_dist.models.variants import Variant, variant_of
 
@@ -68,6 +67,16 @@ class DraftSpec:
         return self.family.drafts(self.block_size) + 1
 
 
+def wrapped(wrapper: nn.Module | None, sublayer, h: torch.Tensor) -> torch.Tensor:
+    """sublayer(h) as it is (DFlash), or inside a variant's sublayer wrapper (`Variant.sublayer_wrappers`,
+    DFlash 2's grouped convolution): `wrapper.prepare(h)` gives the sublayer's input and a state that
+    `wrapper.finish(out, state)` combines with its output."""
+    if wrapper is None:
+        return sublayer(h)
+    h, state = wrapper.prepare(h)
+    return wrapper.finish(sublayer(h), state)
+
+
 class DraftLayer(DecoderLayer):
     """A Qwen3 decoder layer whose keys and values also cover the fused target context; a variant may wrap
     its attention and its MLP (DFlash 2: a grouped convolution over the block each, vLLM's
@@ -94,8 +103,8 @@ class DraftLayer(DecoderLayer):
             k_blk, v_blk = apply_rope(a.k(h), *blk_rope), a.v(h)
             out = packed_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_start, ctx_end, prepared=prepared)
             return a.o_proj(out.flatten(-2))
-        x = x + around(self.attention_conv, attend, self.input_layernorm(x))
-        return x + around(self.mlp_conv, self.mlp, self.post_attention_layernorm(x))
+        x = x + wrapped(self.attention_conv, attend, self.input_layernorm(x))
+        return x + wrapped(self.mlp_conv, self.mlp, self.post_attention_layernorm(x))
 
 
 class DFlashDrafter(nn.Module):
@@ -129,7 +138,7 @@ class DFlashDrafter(nn.Module):
     def context(self, features: torch.Tensor) -> torch.Tensor:
         """(N, n_layers*H) target features -> (N, H) fused context. Under autocast the features go to
         `fc` as they are (bf16): a float32 copy of a 49K-token batch would be 3.8 GiB for nothing. Columns past the
-        captured layers' (DSpark's target final state, `Variant.final_hidden_features`) are not the context's."""
+        captured layers' (DSpark's target final state, `Variant.needs.final_hidden`) are not the context's."""
         if features.shape[-1] != self.fc.in_features:
             features = features[..., :self.fc.in_features]
         if not torch.is_autocast_enabled(features.device.type):
@@ -181,12 +190,10 @@ class DFlashDrafter(nn.Module):
         return self._lm_head(hidden.to(self._lm_head.weight.dtype))
 
     def unary_candidates(self, hidden: torch.Tensor, rows: int = 8192):
-        """(ids (n, K), served unary scores (n, K) float32) of final-normed rows (n, H): the head's top-K,
-        its logits scaled and soft-capped (vLLM's `compute_candidates`), differentiable in `hidden`."""
-        s, head = self.spec, self._lm_head.weight
-        h = hidden.to(head.dtype)
-        ids = unary_top_k(h, head, s.selector_top_k, rows)
-        return ids, unary_values(candidate_logits(h, head, ids, rows), s.output_multiplier, s.final_logit_softcapping)
+        """(ids (n, K), served unary scores (n, K) float32) of final-normed rows (n, H), for a variant whose
+        drafts choose among the head's top-K (DFlash 2's `unary_candidates`; an AttributeError for one
+        that has none). The backbone imports no variant: it asks its own."""
+        return self.variant.unary_candidates(self, hidden, rows)
 
     @torch.no_grad()
     def block_tokens(self, hidden: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:

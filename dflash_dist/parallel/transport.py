@@ -119,7 +119,7 @@ def target_label_width(labels: str, soft_top_k: int) -> int:
 
 def sends_final_hidden(labels: str, variant_asks: bool) -> bool:
     """The one rule for the target's final-normed last hidden state as one more H-wide block of each
-    token's features: a variant asks for it (`Variant.final_hidden_features`: DSpark's teacher), or the
+    token's features: a variant asks for it (`Variant.needs.final_hidden`: DSpark's teacher), or the
     labels are target_full (the drafter's teacher distribution, softmax(lm_head(last))). The packet's width
     (`packet_spec`), the capture (training/capture.py, for every caller: the roles, the benchmarks) and the
     forecasts (forecast/memory.py `feature_blocks`, `runs_whole_target`) all read it here."""
@@ -132,7 +132,7 @@ def packet_spec(cfg: Config, spec: DraftSpec, device: torch.device) -> PacketSpe
     dtype = compute_dtype(cfg.model.target.dtype if t == "auto" else t, device)
     # The target's final-normed hidden state as one more H-wide block (DSpark's teacher; target_full's).
     blocks = len(spec.target_layer_ids) + int(sends_final_hidden(cfg.objective.labels,
-                                                                 spec.family.final_hidden_features))
+                                                                 spec.family.needs.final_hidden))
     return PacketSpec(feat_dim=blocks * spec.hidden_size, dtype=dtype,
                       label_width=target_label_width(cfg.objective.labels, cfg.objective.soft_top_k),
                       soft=cfg.objective.labels == "target_soft")

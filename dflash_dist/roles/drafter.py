@@ -52,7 +52,7 @@ class LocalTarget:
     dtype: torch.dtype
     device: torch.device
     clock: Callable[[], float]
-    final_features: bool = False  # the variant's `final_hidden_features` (DSpark's teacher)
+    final_features: bool = False  # the variant's `needs.final_hidden` (DSpark's teacher)
     compute_s: float = 0.0
 
     def packet(self, batch_ids, epoch: int, b: int) -> Packet:
@@ -155,7 +155,7 @@ class Drafter:
         self.clock = device_clock(self.device)
         self.wait_s = self.compute_s = 0.0
         local = LocalTarget(run.target, run.dataset, tuple(run.spec.target_layer_ids), cfg.objective,
-                            self.packets.dtype, self.device, self.clock, run.spec.family.final_hidden_features) \
+                            self.packets.dtype, self.device, self.clock, run.spec.family.needs.final_hidden) \
             if self.layout.colocated else None
         self.rx = Receiver(self.layout, self.j, self.packets, run.dataset.lengths, self.device, pool, local)
         self.target_counters = torch.zeros(ctx.world_size, 2, dtype=torch.float64, device=self.device)

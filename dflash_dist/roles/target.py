@@ -85,7 +85,7 @@ class Target:
         t0 = self.clock()
         batch = batch.to(run.ctx.device)
         feats, labels = capture_for_drafter(run.target, batch, run.spec.target_layer_ids, run.cfg.objective,
-                                            self.packets.dtype, run.spec.family.final_hidden_features)
+                                            self.packets.dtype, run.spec.family.needs.final_hidden)
         self.compute_s += self.clock() - t0  # the clock waits for the GPU: this is the forward's true time
         if self.leader:  # the other ranks of a tensor-parallel replica computed the same features with it
             self.sender.send(drafter, epoch, b, batch, feats, self.compute_s, self.wait_s, labels)
@@ -97,7 +97,7 @@ class Target:
         attention.warm_up(dev, next(t.parameters()).dtype, heads=t.num_heads, kv_heads=t.num_kv_heads,
                           head_dim=t.head_dim, ops=("causal",))
         capture_for_drafter(t, warm_up_batch(B, dev), self.run.spec.target_layer_ids, self.run.cfg.objective,
-                            self.packets.dtype, self.run.spec.family.final_hidden_features)
+                            self.packets.dtype, self.run.spec.family.needs.final_hidden)
 
 
 def run_target(run: RunSetup) -> RoleResult:

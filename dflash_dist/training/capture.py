@@ -15,7 +15,7 @@ def capture_for_drafter(target, batch, layer_ids, objective, dtype: torch.dtype,
                         final_features: bool = False) -> tuple[torch.Tensor, TargetLabels | None]:
     """The features of `layer_ids` in the transfer dtype and, for target_argmax / target_soft labels, the
     target's predictions (which need the whole forward; data labels stop after the last captured layer).
-    `final_features`: whether the variant asks for the final state (`Variant.final_hidden_features`);
+    `final_features`: whether the variant asks for the final state (`Variant.needs.final_hidden`);
     where `sends_final_hidden` says so (it asks, or the labels are target_full) the final-normed last
     hidden state follows the layers' columns (the whole forward too). target_full sends no predictions:
     the drafter computes the distribution from that state in its loss's row chunks."""

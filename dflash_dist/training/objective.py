@@ -175,7 +175,7 @@ class StepMetrics:
     valid: torch.Tensor  # (B,) trained labels per slot
     accept_sum: float | torch.Tensor  # sum over blocks of the accepted prefix length (+1 bonus)
     num_blocks: int
-    # DFlash 2 (models/variants/dflash2_loss.py): correct/accept_sum then follow the selector's walk; these hold the
+    # DFlash 2 (models/variants/dflash2/loss.py): correct/accept_sum then follow the selector's walk; these hold the
     # unary head's own figures, the selector term's sum of w * ce and the top-K's recall of the gold.
     unary_correct: torch.Tensor | None = None
     unary_accept_sum: float | torch.Tensor | None = None
@@ -360,7 +360,7 @@ def head_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Ten
     weight (`dpace_weights`, from the rows' own cross-entropy, whichever row chunk they fall in); `weights`
     then is 1 on the trained slots. Logits are a matmul in the compute dtype (autocast's, else hidden's),
     then float32 for the softmax. With `top_k` > 0, `HeadTopK` of the n rows with a label in their (A, B)
-    order: the ids torch.topk gives (what `models.dflash2.unary_top_k` gives those rows in the same compute
+    order: the ids torch.topk gives (what `models.variants.dflash2.modules.unary_top_k` gives those rows in the same compute
     dtype), their logits and the label's, read off the same chunks (no rows x V kept). With `full`
     (objective.labels=target_full) each trained slot's loss is `FullTarget`'s, against the target's whole
     distribution computed in the same row chunks; `labels` then only say which slots train, and the

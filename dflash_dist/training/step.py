@@ -23,7 +23,7 @@ exactly the unchunked loss and gradient; without it the gradient is that of the 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 import logging
 import math
 from typing import Any, Callable
@@ -108,8 +108,8 @@ def batch_targets(batch: PackedBatch, target: TargetLabels | None, anchors, anch
                   gamma: float, dpace: bool = False, variant=None):
     """(labels (A, B), weights (A, B), soft (probs, ids) or None) for the objective's label kind. With
     `dpace` the weights are 1 on every trained slot: D-PACE's, computed with the loss, replace the decay.
-    `variant`: its block layout (`anchor_drafts`, `prefix_labels`); None: DFlash's."""
-    layout = {} if variant is None else dict(anchor_drafts=variant.anchor_drafts, prefix=variant.prefix_labels)
+    `variant`: its declared block layout (`Variant.layout`, block_labels' keywords); None: DFlash's."""
+    layout = {} if variant is None else asdict(variant.layout)
     labels, weights = block_labels(batch.input_ids, batch.loss_mask, batch.cu_seqlens, anchors, anchor_cu,
                                    block_size, gamma, **layout)
     if dpace:
@@ -138,7 +138,8 @@ def final_state_targets(model: DFlashDrafter, features: torch.Tensor, anchors: t
     if features.shape[1] != (len(model.spec.target_layer_ids) + 1) * H:
         raise ValueError("objective.labels=target_full: the features must end with the target's final hidden "
                          "state (parallel/transport.py sends_final_hidden)")
-    return features[:, -H:], label_positions(anchors, model.spec.block_size, num_tokens, model.variant.anchor_drafts)
+    positions = label_positions(anchors, model.spec.block_size, num_tokens, model.variant.layout.anchor_drafts)
+    return features[:, -H:], positions
 
 
 def drafter_step(model: DFlashDrafter, batch: StepBatch, settings: StepSettings, *, scale: float = 1.0,

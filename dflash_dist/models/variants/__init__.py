@@ -1,15 +1,51 @@
-"""The registry of DFlash-family drafter variants (`model.draft.variant`); the interface is `base.Variant`."""
+"""The registry of DFlash-family drafter variants (`model.draft.variant`); the interface is `base.Variant`.
+
+A variant outside this package registers itself by its import path in the environment variable
+DFLASH_VARIANTS ("module:Class", comma-separated), read once when this registry is first imported. An
+environment variable, not a config key: the registry must know every name before a config is validated
+(the name is checked against it) and where no config exists at all (an export loaded by
+`dflash_dist.evaluate` is told apart by its architecture), and torchrun hands the environment to every
+rank it spawns, so each process sees the same registry (tests/integration/test_toy_variant.py).
+"""
 from __future__ import annotations
 
-from dflash_dist.config import ConfigError
-from dflash_dist.models.variants.base import (LossChunk, LossWeights, RunProgress, Variant, accepted_lengths,
-                                              check_trains)
+import importlib
+import os
+
+from dflash_dist.config import ConfigError, add_rule
+from dflash_dist.models.variants.base import (BlockLayout, LossChunk, LossWeights, Needs, RunProgress, Variant,
+                                              accepted_lengths, check_trains)
 from dflash_dist.models.variants.dflash import DFlash
 from dflash_dist.models.variants.dflash2 import DFlash2
 from dflash_dist.models.variants.domino import Domino
 from dflash_dist.models.variants.dspark import DSpark
 
 VARIANTS: dict[str, Variant] = {v.name: v for v in (DFlash(), DFlash2(), DSpark(), Domino())}
+PLUGINS_ENV = "DFLASH_VARIANTS"
+
+
+def register(variant: Variant) -> Variant:
+    """Add a variant to the registry under its `name` (a name taken is refused: two variants under one
+    name would train one and export the other)."""
+    if not isinstance(variant, Variant):
+        raise ConfigError(f"{PLUGINS_ENV}: {variant!r} is not a models.variants.base.Variant")
+    if VARIANTS.get(variant.name, variant) is not variant:
+        raise ConfigError(f"{PLUGINS_ENV}: variant name {variant.name!r} is taken by "
+                          f"{type(VARIANTS[variant.name]).__name__}")
+    VARIANTS[variant.name] = variant
+    return variant
+
+
+def _load_plugins(spec: str) -> None:
+    """Register each "module:Class" of `spec` (DFLASH_VARIANTS), a ConfigError naming the entry at fault."""
+    for entry in filter(None, (e.strip() for e in spec.split(","))):
+        module, _, cls = entry.partition(":")
+        if not module or not cls:
+            raise ConfigError(f"{PLUGINS_ENV}: entry {entry!r} is not module:Class")
+        try:
+            register(getattr(importlib.import_module(module), cls)())
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError(f"{PLUGINS_ENV}: entry {entry!r}: {exc}") from exc
 
 
 def variant_of(name: str) -> Variant:
@@ -18,6 +54,12 @@ def variant_of(name: str) -> Variant:
     except KeyError:
         raise ConfigError(f"config key 'model.draft.variant': {name!r} is not one of "
                           f"{', '.join(VARIANTS)}") from None
+
+
+def check_config(cfg) -> None:
+    """The registry's rule on every loaded config (`config.validate` runs it; added below): the name is a
+    registered variant's, and that variant's own rules on the keys (`Variant.check_config`)."""
+    variant_of(cfg.model.draft.variant).check_config(cfg)
 
 
 def check_objective(cfg) -> None:
@@ -42,5 +84,8 @@ def variant_of_export(cfg: dict) -> Variant:
                 VARIANTS["dflash"])
 
 
-__all__ = ["VARIANTS", "LossChunk", "LossWeights", "RunProgress", "Variant", "accepted_lengths", "check_objective",
-           "check_trains", "variant_of", "variant_of_export"]
+_load_plugins(os.environ.get(PLUGINS_ENV, ""))  # last: a plugin imports this package's names above
+add_rule(check_config)
+
+__all__ = ["PLUGINS_ENV", "VARIANTS", "BlockLayout", "LossChunk", "Needs", "LossWeights", "RunProgress", "Variant", "accepted_lengths", "check_config", "check_objective",
+           "check_trains", "register", "variant_of", "variant_of_export"]

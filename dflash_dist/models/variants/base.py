@@ -10,7 +10,9 @@ variant adds to it, in one object:
   (`loss_top_k`) that the loss computed on its way;
 - its export contract (`config_fields` / `spec_fields`, the model card's lines);
 - its greedy decode step (`block_tokens`), which both decoders and the export's parity tests call.
-A new variant is a new module here plus one line in `models/variants/__init__.py`.
+A new variant is a folder here (`<name>/__init__.py` its Variant, beside its modules and loss term)
+plus one line in `models/variants/__init__.py`, or a class registered from outside the package by
+DFLASH_VARIANTS=module:Class (the registry's docstring says why an environment variable).
 """
 from __future__ import annotations
 
@@ -39,6 +41,25 @@ class RunProgress:
     the rest of the schedule, where the position is fractional."""
     step: float = 0
     total: int = 0
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Where a variant's block drafts: the keywords of `training.objective.block_labels`, which the step
+    passes as they are. DFlash (the default): slot 0 holds the anchor and drafts nothing, slot k drafts
+    anchor + k (B - 1 drafts). `anchor_drafts` (anchor as first: DSpark, Domino): slot k drafts
+    anchor + k + 1, every slot a draft (B). `prefix`: a slot after an untrained one (past the sequence or
+    the loss mask) trains neither (DSpark)."""
+    anchor_drafts: bool = False
+    prefix: bool = False
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a variant needs of the target beyond the captured layers' features: `final_hidden`, its
+    final-normed last hidden state as one more H-wide block of each token's features (DSpark's teacher;
+    the transport and the capture read it). (The run's progress, `RunProgress`, reaches every loss term.)"""
+    final_hidden: bool = False
 
 
 @dataclass(frozen=True)
@@ -94,29 +115,47 @@ class Variant:
     # dflash_config.projector_type: what tells variants of one architecture apart (Domino's "domino"; None: absent)
     projector_type: str | None = None
     config_keys: tuple[str, ...] = ()  # DraftSpec fields of this variant, exported in dflash_config
-    # The block's layout. DFlash: slot 0 holds the anchor and drafts nothing, slot k drafts anchor + k
-    # (B - 1 drafts). Anchor as first (DSpark): slot k drafts anchor + k + 1, every slot a draft (B).
-    anchor_drafts = False
-    # The prefix rule: a slot after an untrained one (past the sequence or the loss mask) trains neither.
-    prefix_labels = False
+    layout = BlockLayout()  # its block layout, which the step's labels read (DFlash's: the default)
     # Whether `loss_term` adds to the plain head's cross-entropy (`lm_head_loss`); False: its term is the
     # whole loss (DSpark: its slot logits carry a bias the plain head lacks) and the step skips that pass.
     unary_loss = True
     # With `unary_loss` False: whether `loss_term` trains on objective.labels=target_full itself, against
     # `LossChunk.full` (Domino); a unary variant takes target_full through the plain head's loss.
     full_target_term = False
-    # Targets send their final-normed last hidden state as one more H-wide block of each token's features.
-    final_hidden_features = False
+    needs = Needs()  # what it needs of the target beyond the features (DFlash: nothing)
     # State-dict prefixes exported in float32 whatever the export's dtype (the engine's params are).
     float32_prefixes: tuple[str, ...] = ()
     vllm_method: str | None = "dflash"  # vLLM's speculative method for this architecture (None: vLLM cannot serve it)
+    # What its own modules add to the memory and cost forecasts: an object answering the five questions of
+    # `forecast.variants.DFlashForecast` (which this layer cannot import). None: forecast/variants.py's
+    # object of the same name (the built-ins'); a variant registered from outside declares its own here.
+    forecast: Any = None
+
+    # The declared values by the names earlier issues gave them (the decoders, forecasts and tests read them).
+    @property
+    def anchor_drafts(self) -> bool:
+        return self.layout.anchor_drafts
+
+    @property
+    def prefix_labels(self) -> bool:
+        return self.layout.prefix
+
+    @property
+    def final_hidden_features(self) -> bool:
+        return self.needs.final_hidden
 
     # -- build ---------------------------------------------------------------------------------------
+    def check_config(self, cfg) -> None:
+        """Raise a ConfigError naming the key when the loaded config (`config.Config`) asks this variant
+        for what it cannot train: run by `config.validate` (the registry adds it), before any group forms."""
+
     def check(self, draft_cfg, target) -> None:
         """Raise a ConfigError naming the key when `model.draft` does not fit the target's shapes."""
 
     def sublayer_wrappers(self, spec) -> tuple[nn.Module | None, nn.Module | None]:
-        """(around the attention, around the MLP) of one draft layer; None: the sublayer as it is."""
+        """(around the attention, around the MLP) of one draft layer; None: the sublayer as it is. A
+        wrapper has `prepare(h) -> (input, state)` and `finish(output, state) -> output`, which the
+        backbone calls around the sublayer (`models.drafter.wrapped`)."""
         return None, None
 
     def heads(self, spec) -> dict[str, nn.Module]:

@@ -1,5 +1,5 @@
 """DFlash 2: the grouped convolution around each sublayer and the candidate selector on the final states
-(`models/dflash2.py`), the selector's term of the objective (`dflash2_loss.py`); served by vLLM 0.32's
+(`models/variants/dflash2/modules.py`), the selector's term of the objective (`loss.py`); served by vLLM 0.32's
 `qwen3_dflash2.py` under the architecture `DFlash2DraftModel` (its `dflash_config` keys: `config_keys`)."""
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from dflash_dist.config import ConfigError
-from dflash_dist.models.dflash2 import CandidateSelector, GroupedConv, walk
 from dflash_dist.models.variants.base import LossChunk, LossWeights, Variant
-from dflash_dist.models.variants.dflash2_loss import selector_term
+from dflash_dist.models.variants.dflash2.loss import selector_term
+from dflash_dist.models.variants.dflash2.modules import (CandidateSelector, GroupedConv, candidate_logits, unary_top_k,
+                                                         unary_values, walk)
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,16 @@ class DFlash2(Variant):
     # z-lab's `dflash2-config.json`; vLLM's qwen3_dflash2.py reads them.
     config_keys = ("conv_group_size", "conv_kernel_size", "final_logit_softcapping", "output_multiplier",
                    "selector_rank", "selector_top_k")
+
+    def check_config(self, cfg) -> None:
+        """The convolution reads rows of one block only (models/variants/dflash2/modules.py grouped_conv); with more taps
+        than block_size + 1 the shifted block no longer lines up with it (a RuntimeError in the first
+        step; block_size + 1 taps still run, the taps past block_size reading only zeros). Checked here,
+        not in `check`: that sees the draft's keys only, and the block size is objective.block_size."""
+        k, b = cfg.model.draft.conv_kernel_size, cfg.objective.block_size
+        if k > b + 1:
+            raise ConfigError(f"config key 'model.draft.conv_kernel_size': {k} exceeds objective.block_size + 1 "
+                              f"({b} + 1): the convolution's taps read rows of one block only")
 
     def check(self, d, target) -> None:
         if target.hidden_size % d.conv_group_size:
@@ -77,6 +88,14 @@ class DFlash2(Variant):
             metrics, loss_sum=metrics.loss_sum + a * sm.loss_sum, correct=sm.correct, accept_sum=sm.accept_sum,
             unary_correct=metrics.correct, unary_accept_sum=metrics.accept_sum, selector_loss_sum=sm.loss_sum,
             topk_hits=sm.topk_hits)
+
+    def unary_candidates(self, model, hidden: torch.Tensor, rows: int = 8192):
+        """(ids (n, K), served unary scores (n, K) float32) of final-normed rows (n, H): the head's top-K,
+        its logits scaled and soft-capped (vLLM's `compute_candidates`), differentiable in `hidden`."""
+        s, head = model.spec, model.lm_head.weight
+        h = hidden.to(head.dtype)
+        ids = unary_top_k(h, head, s.selector_top_k, rows)
+        return ids, unary_values(candidate_logits(h, head, ids, rows), s.output_multiplier, s.final_logit_softcapping)
 
     @torch.no_grad()
     def block_tokens(self, model, hidden, anchor_ids):

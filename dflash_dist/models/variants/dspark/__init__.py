@@ -1,5 +1,5 @@
 """DSpark: the DFlash backbone with "anchor as first" blocks, a low-rank Markov bias on every slot's
-logits and a confidence head (`dspark_heads.py`), trained by `dspark_loss.py`; served by vLLM 0.32's
+logits and a confidence head (`heads.py`), trained by `loss.py`; served by vLLM 0.32's
 `qwen3_dspark.py` (`Qwen3DSparkForCausalLM`) and its `DSparkSpeculator` under the architecture
 `Qwen3DSparkModel`.
 
@@ -15,9 +15,9 @@ from dataclasses import replace
 import torch
 
 from dflash_dist.config import ConfigError
-from dflash_dist.models.variants.base import LossChunk, LossWeights, Variant
-from dflash_dist.models.variants.dspark_heads import ConfidenceHead, MarkovHead, markov_walk
-from dflash_dist.models.variants.dspark_loss import DSparkOptions, dspark_term, slot_metrics
+from dflash_dist.models.variants.base import BlockLayout, LossChunk, LossWeights, Needs, Variant
+from dflash_dist.models.variants.dspark.heads import ConfidenceHead, MarkovHead, markov_walk
+from dflash_dist.models.variants.dspark.loss import DSparkOptions, dspark_term, slot_metrics
 
 # The DSpark paper's position decay exp(-k / 4), where objective.gamma leaves it to the variant.
 GAMMA = 4.0
@@ -35,14 +35,30 @@ class DSpark(Variant):
     name = "dspark"
     title = "DSpark"
     architecture = "Qwen3DSparkModel"
-    anchor_drafts = True
-    prefix_labels = True
+    layout = BlockLayout(anchor_drafts=True, prefix=True)
     unary_loss = False
-    final_hidden_features = True
+    needs = Needs(final_hidden=True)
     float32_prefixes = ("confidence_head.",)
     vllm_method = "dspark"
     # config.json's top-level keys (vLLM's Qwen3DSparkModel reads them off the hf config).
     config_keys = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
+
+    def check_config(self, cfg) -> None:
+        """DSpark trains on the data's tokens with its own terms and decay (loss.py)."""
+        o = cfg.objective
+        if o.labels == "target_full":
+            # Refused, not mapped: DSpark's loss already is this distillation (the L1 distance to the same
+            # softmax(lm_head(last)), weighted by objective.dspark_l1_weight), on slot logits that carry its
+            # Markov bias, which the plain head's loss that target_full weighs never sees.
+            raise ConfigError("config key 'objective.labels': target_full with model.draft.variant=dspark, whose "
+                              "loss distils the target's whole distribution already (use objective.labels=data and "
+                              "weigh it with objective.dspark_l1_weight)")
+        if o.labels != "data":
+            raise ConfigError(f"config key 'objective.labels': {o.labels!r} with model.draft.variant=dspark, whose "
+                              "loss distils the target's whole distribution already (use data)")
+        if o.position_weights != "gamma":
+            raise ConfigError("config key 'objective.position_weights': dspark weighs its slots by exp(-k/gamma) "
+                              "under the prefix rule (use gamma)")
 
     def check(self, d, target) -> None:
         if d.markov_head_type != "vanilla":
@@ -74,7 +90,7 @@ class DSpark(Variant):
                              objective.dspark_confidence_weight)
 
     def loss_term(self, model, hidden, chunk: LossChunk, loss_sum, metrics, top, options: DSparkOptions):
-        """The whole loss (`dspark_loss.py`); acc and acceptance count every slot as a draft."""
+        """The whole loss (`loss.py`); acc and acceptance count every slot as a draft."""
         loss, pred = dspark_term(model, hidden, chunk, options)
         correct, accept_sum = slot_metrics(pred, chunk.labels)
         return loss, replace(metrics, loss_sum=loss.detach(), correct=correct, accept_sum=accept_sum)

@@ -1,5 +1,5 @@
 """Domino: the DFlash backbone with "anchor as first" blocks and a GRU logit correction on every slot after
-the first (`domino_head.py`), trained by `domino_loss.py`; served by SGLang's DFLASH algorithm, which reads
+the first (`head.py`), trained by `loss.py`; served by SGLang's DFLASH algorithm, which reads
 it from the DFlash architecture `DFlashDraftModel` with `dflash_config.projector_type: "domino"`
 (sglang/srt/speculative/dflash_utils.py, sglang/srt/models/dflash.py, sglang/srt/speculative/domino_utils.py).
 vLLM 0.32 has no Domino head: its DFlash model (vllm/model_executor/models/qwen3_dflash.py) reads no
@@ -7,7 +7,7 @@ projector_type and its weight loader refuses the export's `prefix_gru.*` tensors
 is no module or parameter named ..."), so the evaluator refuses `--engine vllm` up front (`vllm_method` None).
 
 Layout and conventions (checked against SpecForge's specforge/modeling/draft/domino.py and SGLang's
-domino_utils.py; see domino_head.py for the GRU's): the block is [anchor, MASK x (B-1)] and slot k drafts
+domino_utils.py; see head.py for the GRU's): the block is [anchor, MASK x (B-1)] and slot k drafts
 the token at anchor + k + 1 (`shift_label: true`), slot 0 from the base logits alone
 (`pure_draft_prefix_len: 1`), slot k >= 1 with the GRU state over the anchor and the k tokens after it.
 Training labels every slot whose token lies inside the sequence and the loss mask (SpecForge's per-slot
@@ -24,10 +24,11 @@ from dataclasses import replace
 
 import torch
 
-from dflash_dist.models.variants.base import LossChunk, RunProgress, Variant
-from dflash_dist.models.variants.domino_head import domino_heads, domino_rollout
-from dflash_dist.models.variants.domino_loss import DominoOptions, domino_lambda, domino_term
-from dflash_dist.models.variants.dspark_loss import slot_metrics
+from dflash_dist.config import ConfigError
+from dflash_dist.models.variants.base import BlockLayout, LossChunk, RunProgress, Variant
+from dflash_dist.models.variants.domino.head import domino_heads, domino_rollout
+from dflash_dist.models.variants.domino.loss import DominoOptions, domino_lambda, domino_term
+from dflash_dist.models.variants.dspark.loss import slot_metrics
 
 # The position decay exp(-k / 7) where objective.gamma leaves it to the variant (issue 35's default).
 GAMMA = 7.0
@@ -57,11 +58,24 @@ class Domino(Variant):
     title = "Domino"
     architecture = "DFlashDraftModel"  # SGLang's DFlash model class; the projector type tells Domino apart
     projector_type = PROJECTOR
-    anchor_drafts = True
-    prefix_labels = False
+    layout = BlockLayout(anchor_drafts=True)
     unary_loss = False
-    full_target_term = True  # target_full: its two terms distil the target's distribution (domino_loss.py)
+    full_target_term = True  # target_full: its two terms distil the target's distribution (loss.py)
     vllm_method = None  # vLLM 0.32 cannot serve it
+
+    def check_config(self, cfg) -> None:
+        """Its loss is the cross-entropy of its own final and base logits on the data's tokens, or under
+        target_full their distillation of the target's whole distribution, weighed by exp(-k/gamma) in its
+        anchor-as-first layout (loss.py): the target's argmax or top-k labels and D-PACE's weights
+        would be silently ignored, so they are refused."""
+        o = cfg.objective
+        if o.labels not in ("data", "target_full"):
+            raise ConfigError(f"config key 'objective.labels': {o.labels!r} with model.draft.variant=domino, whose "
+                              "loss is the cross-entropy on the data's tokens or the distillation of the target's "
+                              "whole distribution (use data or target_full)")
+        if o.position_weights != "gamma":
+            raise ConfigError("config key 'objective.position_weights': domino weighs its slots by exp(-k/gamma) "
+                              "(use gamma)")
 
     def heads(self, s):
         return domino_heads(s.hidden_size, s.gru_hidden_dim, s.domino_emb_dim, s.vocab_size)
@@ -76,7 +90,7 @@ class Domino(Variant):
         return block_size - 1  # SGLang's proposals: the block is its verify window
 
     def loss_term(self, model, hidden, chunk: LossChunk, loss_sum, metrics, top, options: DominoOptions):
-        """The whole loss (`domino_loss.py`) at this step's lambda: the two cross-entropies, or under
+        """The whole loss (`loss.py`) at this step's lambda: the two cross-entropies, or under
         target_full (`chunk.full`) the two distillations of the target's distribution; acc follows the
         final logits (what decoding drafts) at every trained slot against the data's tokens or the
         target's top-1, acceptance the served drafts' (slots 0..B-2); the base logits' (the plain LM
