@@ -28,6 +28,9 @@ par=()
 [ "$workers" = 0 ] || par=(-n "$workers" --dist loadfile)
 run_tier() {  # TIER [pytest args]
   local t=$1 && shift
+  if [ "$t" = unit ]; then  # the unit tier lints the whole tree first (pyproject.toml's [tool.ruff]; ruff: .[dev])
+    .venv/bin/ruff check --quiet . || { echo "ruff: the tree is not clean (.venv/bin/ruff check --fix . fixes import order)" >&2; return 1; }
+  fi
   .venv/bin/python -m pytest -q "${par[@]}" "tests/$t" "$@"
 }
 if [ "$tier" = all ]; then

@@ -56,7 +56,7 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -64,6 +64,9 @@ from dflash_dist.bench.jobs import check_outputs
 from dflash_dist.bench.gpu_setup import device, feature_layers, packed_batch, reference_drafter
 from dflash_dist.bench.sections import ROOT, Report, print_table, run_one, run_sections, run_tree
 from dflash_dist.config import Config, TargetConfig, load_config, ranged
+
+if TYPE_CHECKING:  # torch is imported where a section runs: --help and the dry run's parent stay light
+    import torch
 
 # torch is imported where it is used: a section's process (and the hidden test section) starts in a
 # fraction of a second, and the parent process never loads what the sections measure.
@@ -498,6 +501,8 @@ def embedded_job(rep: Report, label: str, nproc: int, overrides: list[str], time
 
 
 def section_nccl(rep: Report, dry: bool, deadline: float) -> None:
+    import torch  # was a NameError on a GPU machine: nothing at module level imports it
+
     gpus = 0 if dry else torch.cuda.device_count()
     rep.add("ranks", 2 if dry else gpus, "gloo on CPU (dry run)" if dry else "NCCL, one rank per GPU")
     if dry or gpus >= 2:

@@ -2,9 +2,14 @@
 config's target shape, and random packed batches (a module of its own so neither imports the other)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from dflash_dist.config import Config, default_target_layer_ids
+
+if TYPE_CHECKING:
+    import torch
 
 
 def device(dry: bool) -> torch.device:

@@ -67,7 +67,9 @@ def reference(model, data, feats, anchors, anchor_cu, alpha):
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten().clamp(min=0), reduction="none").view_as(labels)
     unary_loss = (ce * weights).sum()
     served = logits.topk(K, dim=-1).indices  # (A, B, K)
-    capped = lambda z: torch.tanh(z * s.output_multiplier / s.final_logit_softcapping) * s.final_logit_softcapping
+    def capped(z):
+        return torch.tanh(z * s.output_multiplier / s.final_logit_softcapping) * s.final_logit_softcapping
+
     sel = model.candidate_selector
     proj = sel.hidden_projection(hidden)  # (A, B, R)
     A = anchors.numel()

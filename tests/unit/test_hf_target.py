@@ -4,7 +4,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import transformers  # noqa: E402  (the dev extra installs it: a missing package fails, never skips)
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config  # noqa: E402
 
 from dflash_dist.config import load_config  # noqa: E402

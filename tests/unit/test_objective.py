@@ -39,40 +39,48 @@ def test_block_sees_only_context_before_its_anchor_and_its_own_block(setup):
     base = logits(setup)
     _, f, ids, *_ = setup
     # Context at or after anchor 5 (same sequence): block 0 unchanged, block 1 (anchor 12) changed.
-    f2 = f.clone(); f2[5:30] += torch.randn(25, 64, dtype=f.dtype)
+    f2 = f.clone()
+    f2[5:30] += torch.randn(25, 64, dtype=f.dtype)
     out = logits(setup, feats=f2)
     assert torch.equal(out[0], base[0])
     assert not torch.allclose(out[1], base[1])
     # Another sequence: blocks of sequence 0 unchanged.
-    f3 = f.clone(); f3[30:] += 1.0
+    f3 = f.clone()
+    f3[30:] += 1.0
     out = logits(setup, feats=f3)
     assert torch.equal(out[:2], base[:2]) and not torch.allclose(out[2], base[2])
     # Another block: changing block 1's anchor token does not reach block 0 (nor sequence 1's block).
-    ids2 = ids.clone(); ids2[12] = (ids[12] + 1) % 63
+    ids2 = ids.clone()
+    ids2[12] = (ids[12] + 1) % 63
     out = logits(setup, ids=ids2)
     assert torch.equal(out[0], base[0]) and torch.equal(out[2], base[2]) and not torch.allclose(out[1], base[1])
     # Context strictly before the anchor is seen.
-    f4 = f.clone(); f4[2] += 1.0
+    f4 = f.clone()
+    f4[2] += 1.0
     out = logits(setup, feats=f4)
     assert not torch.allclose(out[0], base[0])
     # Token ids of the context are not an input (only features are): changing one changes nothing.
-    ids3 = ids.clone(); ids3[3] = (ids[3] + 1) % 63
+    ids3 = ids.clone()
+    ids3[3] = (ids[3] + 1) % 63
     assert torch.equal(logits(setup, ids=ids3), base)
 
 
 def test_anchor_position_of_the_context_itself_is_hidden(setup):
     base = logits(setup)
     _, f, *_ = setup
-    f2 = f.clone(); f2[5] += 5.0  # the target's state AT the anchor is not available at inference
+    f2 = f.clone()
+    f2[5] += 5.0  # the target's state AT the anchor is not available at inference
     assert torch.equal(logits(setup, feats=f2)[0], base[0])
-    f2 = f.clone(); f2[4] += 5.0
+    f2 = f.clone()
+    f2[4] += 5.0
     assert not torch.allclose(logits(setup, feats=f2)[0], base[0])
 
 
 def test_labels_and_weights():
     cu = torch.tensor([0, 20, 26])
     ids = torch.arange(26)
-    mask = torch.ones(26, dtype=torch.bool); mask[15] = False
+    mask = torch.ones(26, dtype=torch.bool)
+    mask[15] = False
     anchors, acu = torch.tensor([10, 19, 20]), torch.tensor([0, 2, 3])
     labels, w = block_labels(ids, mask, cu, anchors, acu, B, gamma=4.0)
     assert (w[:, 0] == 0).all() and (labels[:, 0] == -100).all()  # slot 0 is never trained
@@ -85,7 +93,9 @@ def test_labels_and_weights():
 
 def test_anchors_precede_a_supervised_token_up_to_the_end_and_are_reproducible():
     cu = torch.tensor([0, 40, 45, 100])
-    mask = torch.zeros(100, dtype=torch.bool); mask[10:40] = True; mask[60:100] = True
+    mask = torch.zeros(100, dtype=torch.bool)
+    mask[10:40] = True
+    mask[60:100] = True
     a1, acu1 = draw_anchors(mask, cu, 5, anchor_generator(1, 2, 3))
     a2, acu2 = draw_anchors(mask, cu, 5, anchor_generator(1, 2, 3))
     assert torch.equal(a1, a2) and torch.equal(acu1, acu2)
@@ -101,7 +111,8 @@ def test_anchors_precede_a_supervised_token_up_to_the_end_and_are_reproducible()
 
 def test_a_response_shorter_than_a_block_is_trained_to_its_last_token_at_slot_1():
     """A 3-token prompt and a 5-token answer, B = 16: five anchors (the last prompt token and the first
-    four answer tokens); the last answer token is the slot-1 label of the anchor just before it, and the
+    four answer tokens)
+    the last answer token is the slot-1 label of the anchor just before it, and the
     slots past the end carry no label and no weight."""
     B16, cu = 16, torch.tensor([0, 8])
     ids = torch.arange(100, 108)

@@ -69,7 +69,9 @@ def next_fit_by_hand(stream, lengths, anc, token_budget, max_seqs, max_anchors):
         if cur and (tok + lengths[i] > token_budget or len(cur) == max_seqs or (max_anchors and a + anc[i] > max_anchors)):
             batches.append(cur)
             cur, tok, a = [], 0, 0
-        cur.append(int(i)); tok += int(lengths[i]); a += int(anc[i])
+        cur.append(int(i))
+        tok += int(lengths[i])
+        a += int(anc[i])
     return batches + [cur] if cur else batches
 
 

@@ -3,7 +3,7 @@ measurements during training, and the memory model counts the whole target where
 import math
 
 import pytest
-import transformers  # the `hf` extra; `dev` (what the tests install) includes it
+import transformers  # noqa: F401  (the `hf` extra; `dev`, what the tests install, includes it: missing fails here)
 
 from dflash_dist.training.state import Totals
 from dflash_dist.training.stats import StepStats
