@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-import typing
 from typing import Any, Callable, Optional
 
 from omegaconf import OmegaConf

@@ -22,20 +22,32 @@ from dflash_dist.config import Config, ConfigError, load_config
 from dflash_dist.data.dataset import preparation_skips
 from dflash_dist.data.digest import dataset_digest
 from dflash_dist.data.synthetic import synthetic_dataset
-from dflash_dist.parallel.dist import DistContext, agree_on_failure, env_ranks, init_distributed, setup_logging, teardown
-from dflash_dist.runtime.liveness import DONE, FAILED, Liveness
+from dflash_dist.exits import EXIT_DIVERGED, EXIT_RESUME, record_exit_code
+from dflash_dist.io.runlock import RunLock, check_writable
 from dflash_dist.models.build import build_target, draft_spec
 from dflash_dist.models.variants import check_objective
-from dflash_dist.plan.epochs import check_trainable, count_epochs
-from dflash_dist.plan.long_samples import (check_context, check_skipped_share, plan_figures, report_truncation,
-                                           run_dataset)
-from dflash_dist.roles.reporter import evaluates
-from dflash_dist.training.setup import RoleResult, RunSetup
-from dflash_dist.io.runlock import RunLock, check_writable
-from dflash_dist.exits import EXIT_DIVERGED, EXIT_RESUME, record_exit_code
-from dflash_dist.training.stats import Diverged
+from dflash_dist.parallel.dist import (
+    DistContext,
+    agree_on_failure,
+    env_ranks,
+    init_distributed,
+    setup_logging,
+    teardown,
+)
 from dflash_dist.parallel.stop import StopFlag
 from dflash_dist.parallel.topology import Layout, TopologyError
+from dflash_dist.plan.epochs import check_trainable, count_epochs
+from dflash_dist.plan.long_samples import (
+    check_context,
+    check_skipped_share,
+    plan_figures,
+    report_truncation,
+    run_dataset,
+)
+from dflash_dist.roles.reporter import evaluates
+from dflash_dist.runtime.liveness import DONE, FAILED, Liveness
+from dflash_dist.training.setup import RoleResult, RunSetup
+from dflash_dist.training.stats import Diverged
 
 log = logging.getLogger("dflash_dist.train")
 

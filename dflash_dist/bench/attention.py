@@ -20,6 +20,7 @@ import argparse
 import time
 import warnings
 from dataclasses import asdict, dataclass
+
 import torch
 import torch.nn.functional as F
 

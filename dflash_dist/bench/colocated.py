@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import argparse
 
-from dflash_dist.observe.bars import track
 from dflash_dist.bench.jobs import check_outputs, run_job, write_json
 from dflash_dist.config import ranged
+from dflash_dist.observe.bars import track
 
 COMMON = ["train.epochs=1", "data.synthetic.num_samples=1500", "monitor.interval_s=5"]
 

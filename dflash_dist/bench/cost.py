@@ -26,11 +26,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from dflash_dist.bench.common import timed
-from dflash_dist.io.files import check_output_path, write_json
-from dflash_dist.forecast import cost as C
 from dflash_dist.config import ConfigError, load_config, ranged
+from dflash_dist.forecast import cost as C
 from dflash_dist.forecast.memory import Precision
 from dflash_dist.forecast.shapes import TARGET_SHAPES, check_target_split, layout_error, model_shapes
+from dflash_dist.io.files import check_output_path, write_json
 
 # target-heavy: a 9-layer capture, 8 anchors per sequence, one draft layer; drafter-heavy: a 3-layer
 # capture, 48 anchors per sequence, two draft layers. Both: hidden 256, I = 3H, 4 sequences of 256 tokens
@@ -150,9 +150,9 @@ def validate_shape(overrides: dict, reps: int = 3, device: str = "cpu") -> dict:
 def _measure_and_predict(sc, reps: int, dev) -> dict:
     import torch
 
-    from dflash_dist.training.capture import capture_for_drafter
     from dflash_dist.forecast.memory import Sharding
     from dflash_dist.models.build import build_drafter, draft_spec
+    from dflash_dist.training.capture import capture_for_drafter
     from dflash_dist.training.step import StepBatch, drafter_step, step_settings
 
     cfg, target, batch, anchors, anchor_cu, shape = scaled_job(sc, dev)

@@ -27,9 +27,9 @@ from dflash_dist.bench.jobs import check_outputs, write_json
 from dflash_dist.config import ConfigError, ObjectiveConfig, ranged
 from dflash_dist.data.collate import PackedBatch
 from dflash_dist.models.drafter import DFlashDrafter, DraftSpec, anchor_seq_starts
-from dflash_dist.training.objective import anchor_generator, block_labels, draw_anchors, lm_head_loss
 from dflash_dist.models.variants import variant_of
 from dflash_dist.models.variants.dflash2.loss import selector_term
+from dflash_dist.training.objective import anchor_generator, block_labels, draw_anchors, lm_head_loss
 from dflash_dist.training.step import StepBatch, drafter_step, step_settings
 
 CPU = torch.device("cpu")

@@ -35,6 +35,7 @@ CPU = torch.device("cpu")
 def hf_twin(cfg):
     """A transformers Qwen3 with the tiny target's shape (random weights), wrapped as the run wraps one."""
     import transformers
+
     from dflash_dist.models.hf_target import HFTarget
     t = cfg.model.target
     hc = transformers.Qwen3Config(vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,

@@ -60,8 +60,8 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from dflash_dist.bench.jobs import check_outputs
 from dflash_dist.bench.gpu_setup import device, feature_layers, packed_batch, reference_drafter
+from dflash_dist.bench.jobs import check_outputs
 from dflash_dist.bench.sections import ROOT, Report, print_table, run_one, run_sections, run_tree
 from dflash_dist.config import Config, TargetConfig, load_config, ranged
 

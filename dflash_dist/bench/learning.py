@@ -34,11 +34,11 @@ import numpy as np
 import torch
 
 from dflash_dist.bench.jobs import write_json
-from dflash_dist.io.files import atomic_write, check_output_path
 from dflash_dist.config import ConfigError, load_config, ranged
 from dflash_dist.data.collate import collate
 from dflash_dist.data.dataset import TokenDataset
 from dflash_dist.data.disk import open_dataset
+from dflash_dist.io.files import atomic_write, check_output_path
 from dflash_dist.models.build import build_drafter, build_target, draft_spec
 from dflash_dist.models.drafter import anchor_seq_starts
 from dflash_dist.models.variants import RunProgress, variant_of

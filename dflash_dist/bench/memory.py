@@ -34,11 +34,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from dflash_dist.io.files import check_output_path, write_json
+from dflash_dist.config import Config, ConfigError, load_config, ranged
 from dflash_dist.forecast import memory as M
 from dflash_dist.forecast.shapes import TARGET_SHAPES, check_target_split, model_shapes
-from dflash_dist.config import Config, ConfigError, load_config, ranged
-
+from dflash_dist.io.files import check_output_path, write_json
 
 # -- measurement --------------------------------------------------------------------------------------
 
@@ -277,8 +276,9 @@ def validate_hf_capture(model_config, directory: str | Path, layer_ids: list[int
     "measured": peak live bytes, "capture": the measured peak less what was live before (weights, the
     held packet, the batch's ids and mask)}."""
     from transformers import AutoModelForCausalLM
-    from dflash_dist.training.capture import capture_for_drafter
+
     from dflash_dist.models.hf_target import HFTarget
+    from dflash_dist.training.capture import capture_for_drafter
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     model_config.to_json_file(str(directory / "config.json"))

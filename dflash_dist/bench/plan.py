@@ -32,9 +32,9 @@ from pathlib import Path
 import numpy as np
 
 from dflash_dist.bench.jobs import check_outputs
-from dflash_dist.observe.bars import track
 from dflash_dist.config import PlanConfig, ranged
 from dflash_dist.data.synthetic import chat_lengths
+from dflash_dist.observe.bars import track
 from dflash_dist.plan.epochs import PACKINGS, BatchPlan, build_plan
 
 TARGET_BUILD_S, TARGET_FILL, TARGET_BCAST_S = 0.25, 0.95, 1.0
@@ -80,6 +80,7 @@ def timed(fn, *args, **kwargs):
 def _broadcast_worker(rank: int, world: int, port: int, plan: BatchPlan, reps: int, out: str) -> None:
     import torch
     import torch.distributed as dist
+
     from dflash_dist.plan.epochs import broadcast_plan
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     times = []

@@ -43,6 +43,7 @@ def make_target(path: Path) -> Path:
         return path
     import torch
     import transformers
+
     from dflash_dist.bench.regenerate import make_tokenizer
     path.mkdir(parents=True, exist_ok=True)
     make_tokenizer(path)

@@ -52,20 +52,52 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from dflash_dist.data.disk import DatasetWriter
+from dflash_dist.data.jsonl import (  # noqa: F401
+    CUT,
+    LINE_SKIPS,
+    Conversation,
+    Skip,
+    Tokenized,
+    numbered_lines,
+    parse_messages,
+    read_chat_line,
+    read_record,
+    template_view,
+)
+from dflash_dist.data.mixture import (
+    HELDOUT,
+    Draws,
+    Selection,
+    Source,
+    SourceCounts,
+    SourceError,
+    check_sources,
+    choose_heldout,
+    conversation_key,
+    heldout_line,
+    heldout_turns,
+    parse_source,
+)
+from dflash_dist.data.prepare_args import options, parser
+from dflash_dist.data.records import InputError, iter_records  # InputError: exit 2 (re-exported)
+from dflash_dist.data.render import (  # noqa: F401
+    THINK_CLOSE,
+    THINK_OPEN,
+    ForeignIds,
+    Options,
+    assistant_spans,
+    encode,
+    end_of_turn_marker,
+    plan_samples,
+    reasoning_blocks,
+    renderer,
+    supervised_turns,
+    template_failure,
+)
+from dflash_dist.exits import EXIT_BAD_INPUT
 from dflash_dist.io.files import terminate_cleanly
 from dflash_dist.observe.bars import Bar
-from dflash_dist.data.disk import DatasetWriter
-from dflash_dist.exits import EXIT_BAD_INPUT
-from dflash_dist.data.jsonl import (CUT, LINE_SKIPS, Conversation, Skip, Tokenized, numbered_lines,  # noqa: F401
-                                    parse_messages, read_chat_line, read_record, template_view)
-from dflash_dist.data.records import InputError, iter_records  # InputError: exit 2 (re-exported)
-from dflash_dist.data.prepare_args import options, parser
-from dflash_dist.data.mixture import (HELDOUT, Draws, Selection, Source, SourceCounts, SourceError,
-                                      check_sources, choose_heldout, conversation_key, heldout_line, heldout_turns,
-                                      parse_source)
-from dflash_dist.data.render import (THINK_CLOSE, THINK_OPEN, ForeignIds, Options, assistant_spans,  # noqa: F401
-                                     encode, end_of_turn_marker, plan_samples, reasoning_blocks, renderer,
-                                     supervised_turns, template_failure)
 
 log = logging.getLogger(__name__)
 

@@ -30,10 +30,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
-from dflash_dist.io.files import atomic_write
 from dflash_dist.data.digest import file_digest
 from dflash_dist.data.jsonl import Skip, check_text, parse_messages
 from dflash_dist.exits import EXIT_BAD_INPUT
+from dflash_dist.io.files import atomic_write
 
 log = logging.getLogger(__name__)
 

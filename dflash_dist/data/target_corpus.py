@@ -24,8 +24,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from dflash_dist.io.files import atomic_write
 from dflash_dist.data.dataset import TokenDataset
+from dflash_dist.io.files import atomic_write
 from dflash_dist.models.decode import greedy, one_cpu_thread
 
 log = logging.getLogger(__name__)

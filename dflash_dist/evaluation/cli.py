@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_dist.io.files import check_output_path
 from dflash_dist.evaluation.prompts import EvalInputError, PromptSet, default_bench_dir, load_bench
+from dflash_dist.io.files import check_output_path
 
 log = logging.getLogger(__name__)
 
@@ -124,9 +124,8 @@ def make_chat(cfg, sets: list[PromptSet], thinking: bool):
 
 def run_hf(args, cfg, sets, rank: int, world: int, device: torch.device) -> dict | None:
     from dflash_dist.evaluation.hf_engine import Options, run_sets
-    from dflash_dist.evaluation.loading import load_for_eval
+    from dflash_dist.evaluation.loading import check_config_agrees, load_for_eval, read_export_config
     from dflash_dist.evaluation.results import report
-    from dflash_dist.evaluation.loading import check_config_agrees, read_export_config
     target, drafter = load_for_eval(args.draft, cfg, device)
     check_config_agrees(read_export_config(args.draft), cfg, args.overrides, args.draft)
     for s in sets:
@@ -153,8 +152,9 @@ def run_vllm(args, cfg, sets) -> dict:
     if cfg.model.target.kind != "hf":
         raise EvalInputError("--engine vllm serves a transformers model directory: model.target.kind=hf "
                              "model.target.path=DIR")
-    from dflash_dist.evaluation.loading import check_fit
     from transformers import AutoConfig
+
+    from dflash_dist.evaluation.loading import check_fit
     text_cfg = AutoConfig.from_pretrained(cfg.model.target.path, local_files_only=True).get_text_config()
     # The hf engine's own checks, before any engine starts (minutes on a CPU, a GPU's memory on a node).
     check_fit(export, text_cfg.vocab_size, text_cfg.hidden_size, text_cfg.num_hidden_layers, args.draft)

@@ -21,9 +21,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_dist.io.files import atomic_write
 from dflash_dist.data.jsonl import Skip, check_text, decode_line, numbered_lines
 from dflash_dist.data.sources import humaneval_turns
+from dflash_dist.io.files import atomic_write
 
 
 class EvalInputError(ValueError):

@@ -16,8 +16,8 @@ from typing import Sequence
 
 import torch
 
-from dflash_dist.models.decode import sequence_cache
 from dflash_dist.models.attention import prepare_block_attention
+from dflash_dist.models.decode import sequence_cache
 from dflash_dist.models.qwen3 import apply_rope, rope_cos_sin
 
 

@@ -53,8 +53,8 @@ from dflash_dist.forecast.memory import SDPA_GROUP, feature_blocks, runs_whole_t
 from dflash_dist.forecast.shapes import ModelShapes
 from dflash_dist.forecast.variants import draft_param_count, forecast_of
 from dflash_dist.forecast.work import DEVICES, Device, Efficiency, RoleCost, Term
-from dflash_dist.parallel.transport import target_label_width
 from dflash_dist.parallel.topology import candidate_splits  # the one split search (C.candidate_splits for callers)
+from dflash_dist.parallel.transport import target_label_width
 
 log = logging.getLogger(__name__)
 

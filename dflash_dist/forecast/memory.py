@@ -32,11 +32,11 @@ import numpy as np
 
 from dflash_dist.config import Config, measures_tau
 from dflash_dist.data.anchors import anchors_per_sample, tail_anchorable
-from dflash_dist.parallel.transport import sends_final_hidden, target_label_width
-from dflash_dist.models.variants import variant_of
 from dflash_dist.forecast.job import BatchShape, Precision, Sharding
 from dflash_dist.forecast.shapes import KNOWN_ARCHS, ModelShapes, model_shapes
 from dflash_dist.forecast.variants import draft_param_count, forecast_of
+from dflash_dist.models.variants import variant_of
+from dflash_dist.parallel.transport import sends_final_hidden, target_label_width
 
 GiB = 2 ** 30
 SDPA_GROUP = 32  # blocks per SDPA call in the drafter's "sdpa" attention path (models.attention)

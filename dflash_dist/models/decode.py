@@ -192,6 +192,7 @@ class HFCache:
 
     def __init__(self, target, layer_ids):
         import inspect
+
         from transformers import DynamicCache
         self.target, self.layer_ids, self.cache = target, list(layer_ids), DynamicCache()
         # transformers 5 renamed past_key_values to cache; take whichever this version has.

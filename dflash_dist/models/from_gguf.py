@@ -28,10 +28,16 @@ import sys
 import time
 from pathlib import Path
 
-from dflash_dist.io.files import (AtomicDir, OutputPathError, atomic_write, check_output_dir,
-                                           temp_siblings, terminate_cleanly)
-from dflash_dist.io.write_errors import os_errors
 from dflash_dist.exits import EXIT_BAD_INPUT
+from dflash_dist.io.files import (
+    AtomicDir,
+    OutputPathError,
+    atomic_write,
+    check_output_dir,
+    temp_siblings,
+    terminate_cleanly,
+)
+from dflash_dist.io.write_errors import os_errors
 
 log = logging.getLogger(__name__)
 

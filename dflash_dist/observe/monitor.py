@@ -23,8 +23,8 @@ from typing import Callable
 import psutil
 import torch
 
-from dflash_dist.io.files import json_safe
 from dflash_dist.config import choices
+from dflash_dist.io.files import json_safe
 
 log = logging.getLogger(__name__)
 

@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from dflash_dist.report.plotting import (Drawn, color, mark_epochs, max_time, missing, new_figure, no_data,
-                                         pearson, smooth, time_unit, values)
+from dflash_dist.report.plotting import (
+    Drawn,
+    color,
+    mark_epochs,
+    max_time,
+    missing,
+    new_figure,
+    no_data,
+    pearson,
+    smooth,
+    time_unit,
+    values,
+)
 from dflash_dist.report.runs import RunData
 
 DETREND = 9  # steps in the moving mean taken out of per-step accuracy (the learning trend)

@@ -19,24 +19,31 @@ import torch
 import torch.distributed as dist
 
 from dflash_dist.checkpoints import store as checkpoint
-from dflash_dist.training.capture import capture_for_drafter
 from dflash_dist.data.collate import collate, warm_up_batch
 from dflash_dist.models import attention
 from dflash_dist.models.build import build_drafter
 from dflash_dist.models.variants import RunProgress
-from dflash_dist.training.objective import anchor_generator, draw_anchors
-from dflash_dist.plan.epochs import BatchPlan, epoch_plan, plan_digest
-from dflash_dist.roles.reporter import evaluates, make_reporter
-from dflash_dist.training.setup import RoleResult, RunSetup
-from dflash_dist.plan.schedule import Cursor, EpochSchedule, Votes
 from dflash_dist.observe.monitor import device_clock
-from dflash_dist.training.stats import Diverged, StepStats
 from dflash_dist.parallel.sharding import make_sharding
-from dflash_dist.training.step import (StepBatch, drafter_autocast, drafter_step, optimizer_step, reduce_stats,
-                                       step_gradients, step_settings)
 from dflash_dist.parallel.stop import StopAgreement
-from dflash_dist.training.state import TrainState, weights_digest
 from dflash_dist.parallel.transport import Packet, PacketError, PendingPacket, RecvPool, packet_spec
+from dflash_dist.plan.epochs import BatchPlan, epoch_plan, plan_digest
+from dflash_dist.plan.schedule import Cursor, EpochSchedule, Votes
+from dflash_dist.roles.reporter import evaluates, make_reporter
+from dflash_dist.training.capture import capture_for_drafter
+from dflash_dist.training.objective import anchor_generator, draw_anchors
+from dflash_dist.training.setup import RoleResult, RunSetup
+from dflash_dist.training.state import TrainState, weights_digest
+from dflash_dist.training.stats import Diverged, StepStats
+from dflash_dist.training.step import (
+    StepBatch,
+    drafter_autocast,
+    drafter_step,
+    optimizer_step,
+    reduce_stats,
+    step_gradients,
+    step_settings,
+)
 
 log = logging.getLogger(__name__)
 

@@ -14,22 +14,21 @@ from pathlib import Path
 import torch
 
 from dflash_dist.checkpoints import store as checkpoint
-from dflash_dist.observe.balance import balance_advice, format_advice
 from dflash_dist.config import ConfigError, measures_tau, to_dict
 from dflash_dist.data.dataset import preparation_skips, preparation_sources
 from dflash_dist.data.digest import dataset_digest
-from dflash_dist.models.export import export_drafter, write_model_card
 from dflash_dist.io.files import write_json
 from dflash_dist.models import attention
+from dflash_dist.models.export import export_drafter, write_model_card
 from dflash_dist.models.variants import variant_of
-from dflash_dist.observe.monitor import SUPERSEDED, Monitor, Progress, Sinks, set_aside_records
-from dflash_dist.plan.epochs import BatchPlan, plan_shape
-from dflash_dist.training.setup import RunSetup
-from dflash_dist.plan.schedule import EpochSchedule
-from dflash_dist.observe.monitor import wait_fraction
+from dflash_dist.observe.balance import balance_advice, format_advice
+from dflash_dist.observe.monitor import SUPERSEDED, Monitor, Progress, Sinks, set_aside_records, wait_fraction
 from dflash_dist.parallel.topology import candidate_splits
-from dflash_dist.training.stats import StepStats
+from dflash_dist.plan.epochs import BatchPlan, plan_shape
+from dflash_dist.plan.schedule import EpochSchedule
+from dflash_dist.training.setup import RunSetup
 from dflash_dist.training.state import History, Totals, TrainState
+from dflash_dist.training.stats import StepStats
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +117,9 @@ class Reporter(NullReporter):
         `train.eval_bench` set (the drafter asks only where `evaluates` says so), at the current step:
         logged, a `tau` record in metrics.jsonl, the monitor's line and the run's history."""
         cfg = self.run.cfg
-        from dflash_dist.evaluation.measure import training_eval  # train.eval_bench's set, else the synthetic held-out one
+        from dflash_dist.evaluation.measure import (
+            training_eval,  # train.eval_bench's set, else the synthetic held-out one
+        )
         t0 = time.time()
         # Under the training's autocast on CUDA: the attention then runs the graphs warmed up for training.
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.run.ctx.device.type == "cuda" \

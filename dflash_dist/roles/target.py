@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import logging
 
-from dflash_dist.training.capture import capture_for_drafter
 from dflash_dist.data.collate import PackedBatch, collate, warm_up_batch
 from dflash_dist.models import attention
-from dflash_dist.plan.epochs import epoch_plan, plan_digest
-from dflash_dist.training.setup import RoleResult, RunSetup
-from dflash_dist.plan.schedule import Cursor, EpochSchedule, Votes
-from dflash_dist.observe.monitor import wait_fraction
-from dflash_dist.observe.monitor import device_clock
+from dflash_dist.observe.monitor import device_clock, wait_fraction
 from dflash_dist.parallel.stop import StopAgreement
 from dflash_dist.parallel.transport import PacketSender, packet_spec
+from dflash_dist.plan.epochs import epoch_plan, plan_digest
+from dflash_dist.plan.schedule import Cursor, EpochSchedule, Votes
+from dflash_dist.training.capture import capture_for_drafter
+from dflash_dist.training.setup import RoleResult, RunSetup
 
 log = logging.getLogger(__name__)
 

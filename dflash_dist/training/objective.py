@@ -27,8 +27,15 @@ from typing import NamedTuple
 import torch
 
 from dflash_dist.data.anchors import anchor_candidates
-from dflash_dist.models.head_loss import (Chunk, ChunkLoss, RowInputs, chunk_rows, l1_softmax_grad, rescaled,
-                                          with_gradients)
+from dflash_dist.models.head_loss import (
+    Chunk,
+    ChunkLoss,
+    RowInputs,
+    chunk_rows,
+    l1_softmax_grad,
+    rescaled,
+    with_gradients,
+)
 from dflash_dist.models.variants.base import accepted_lengths
 from dflash_dist.plan.seeding import seeded_generator
 

@@ -6,12 +6,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_dist.plan.schedule import Cursor
 from dflash_dist.config import Config
 from dflash_dist.data.dataset import TokenDataset
-from dflash_dist.parallel.dist import DistContext
 from dflash_dist.models.drafter import DraftSpec
+from dflash_dist.parallel.dist import DistContext
 from dflash_dist.parallel.stop import StopFlag
+from dflash_dist.plan.schedule import Cursor
 
 
 @dataclass(frozen=True)

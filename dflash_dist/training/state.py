@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 from dflash_dist.checkpoints import store as checkpoint
-from dflash_dist.plan.schedule import Cursor
 from dflash_dist.config import Config, to_dict
 from dflash_dist.models.variants import RunProgress
-from dflash_dist.training.stats import StepStats, drafting_slots
 from dflash_dist.parallel.topology import Layout
+from dflash_dist.plan.schedule import Cursor
+from dflash_dist.training.stats import StepStats, drafting_slots
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ exactly the unchunked loss and gradient; without it the gradient is that of the 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict, dataclass, replace
 import logging
 import math
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -35,11 +35,19 @@ from dflash_dist.config import Config, ObjectiveConfig
 from dflash_dist.data.collate import PackedBatch
 from dflash_dist.models.drafter import DFlashDrafter, DraftSpec, anchor_seq_starts
 from dflash_dist.models.variants import LossChunk, RunProgress
-from dflash_dist.training.objective import (FullTarget, StepMetrics, argmax_block_labels, block_labels,
-                                   head_loss, label_positions, loss_denominator, no_head_loss,
-                                   soft_block_targets)
 from dflash_dist.parallel.sharding import DrafterSharding, total_norm
 from dflash_dist.parallel.transport import TargetLabels
+from dflash_dist.training.objective import (
+    FullTarget,
+    StepMetrics,
+    argmax_block_labels,
+    block_labels,
+    head_loss,
+    label_positions,
+    loss_denominator,
+    no_head_loss,
+    soft_block_targets,
+)
 from dflash_dist.training.stats import Diverged, StepStats
 
 log = logging.getLogger(__name__)

@@ -7,8 +7,7 @@ import subprocess
 import textwrap
 
 import pytest
-
-from helpers import TORCHRUN, TINY
+from helpers import TINY, TORCHRUN
 
 pytestmark = pytest.mark.slow  # whole runs under torchrun: `pytest -m "not slow"` skips them
 

@@ -4,9 +4,7 @@ import json
 
 import pytest
 import torch
-
 from helpers import torchrun
-
 
 pytestmark = pytest.mark.slow  # whole runs under torchrun: `pytest -m "not slow"` skips them
 

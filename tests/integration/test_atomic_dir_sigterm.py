@@ -13,9 +13,12 @@ import sys
 import textwrap
 
 import pytest
-
-from chat_fixtures import CONV, openai, write_jsonl
-from chat_fixtures import tok_dir  # noqa: F401  (fixtures)
+from chat_fixtures import (
+    CONV,
+    openai,
+    tok_dir,  # noqa: F401  (fixtures)
+    write_jsonl,
+)
 
 WRAPPER = textwrap.dedent('''
     import os, pathlib, runpy, signal, sys

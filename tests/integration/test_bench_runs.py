@@ -7,7 +7,8 @@ import psutil
 import pytest
 import torch
 
-from dflash_dist.bench import gpu_check, transport as bench_transport
+from dflash_dist.bench import gpu_check
+from dflash_dist.bench import transport as bench_transport
 from dflash_dist.models.variants import VARIANTS
 
 

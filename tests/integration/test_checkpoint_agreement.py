@@ -4,10 +4,9 @@ import traceback
 
 import torch
 import torch.distributed as dist
+from helpers import spawn
 
 from dflash_dist.config import ConfigError
-
-from helpers import spawn
 
 
 def _agree_worker(rank, q):

@@ -3,9 +3,11 @@ DistributedDataParallel, their gradient is bitwise the sum the project computed 
 DDP's average times the drafter count is exact), the whole state keeps the drafter's own names, and
 optimizer steps through training/step.py with anchor chunks and an idle tail drafter keep the replicas
 bitwise equal."""
+import helpers
 import pytest
 import torch
 import torch.distributed as dist
+from drafter_batches import B, make_batch, make_model, step_batch, step_settings_of
 from torch.nn.parallel import DistributedDataParallel
 
 from dflash_dist.config import load_config
@@ -13,9 +15,6 @@ from dflash_dist.parallel.sharding import make_sharding
 from dflash_dist.training.state import TrainState, weights_digest
 from dflash_dist.training.stats import StepStats
 from dflash_dist.training.step import optimizer_step, reduce_stats, step_gradients
-
-import helpers
-from drafter_batches import B, make_batch, make_model, step_batch, step_settings_of
 
 CPU = torch.device("cpu")
 

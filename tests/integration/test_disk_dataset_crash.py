@@ -9,7 +9,6 @@ import pytest
 
 from dflash_dist.data.disk import DatasetError, open_dataset
 
-
 CRASH = """
 import os, sys
 import numpy as np

@@ -7,12 +7,10 @@ import traceback
 
 import pytest
 import torch
+from helpers import metrics, spawn, torchrun
 
 from dflash_dist.data.collate import PackedBatch
 from dflash_dist.parallel.transport import PacketSender, PendingPacket, TargetLabels
-
-from helpers import metrics, spawn, torchrun
-
 
 KINDS = [("data", 0), ("target_argmax", 1), ("target_soft", 3), ("data", 0)]  # mixed on one link, in order
 

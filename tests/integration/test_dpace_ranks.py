@@ -5,17 +5,24 @@ import json
 import math
 import signal
 
+import helpers
 import pytest
 import torch
 import torch.distributed as dist
+from drafter_batches import (
+    ALPHA,
+    B,
+    assert_drafters_give,
+    make_model,
+    reference_grads,
+    saved_grads,
+    step_batch,
+    step_settings_of,
+)
 
 from dflash_dist.parallel.sharding import make_sharding
 from dflash_dist.training.stats import StepStats
 from dflash_dist.training.step import normalise, reduce_stats, step_gradients
-
-import helpers
-from drafter_batches import (ALPHA, B, assert_drafters_give, make_model, reference_grads, saved_grads, step_batch,
-                             step_settings_of)
 
 
 def _worker(rank, q, kind, num_batches, chunk, out):

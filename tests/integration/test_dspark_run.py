@@ -4,7 +4,6 @@ evaluator and the resume: tests/integration/test_variant_runs.py, as every varia
 import json
 
 import pytest
-
 from helpers import torchrun
 
 pytestmark = pytest.mark.slow  # a whole run under torchrun

@@ -3,7 +3,6 @@ import json
 import re
 
 import pytest
-
 from helpers import epoch_lines, final_digest, metrics, torchrun
 
 pytestmark = pytest.mark.slow  # whole runs under torchrun: `pytest -m "not slow"` skips them

@@ -5,8 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from evaluate_fixtures import B4, prompts
-from evaluate_fixtures import draft  # noqa: F401  (fixtures)
+from evaluate_fixtures import (
+    B4,
+    draft,  # noqa: F401  (fixtures)
+    prompts,
+)
 
 
 def test_exit_code_of_the_real_command(tmp_path, draft):

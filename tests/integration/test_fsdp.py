@@ -5,7 +5,6 @@ import signal
 
 import pytest
 import torch
-
 from helpers import final_digest, interrupt, torchrun
 
 pytestmark = pytest.mark.slow  # whole runs under torchrun: `pytest -m "not slow"` skips them

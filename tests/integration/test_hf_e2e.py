@@ -5,10 +5,8 @@ import subprocess
 import sys
 
 import pytest
-
-from helpers import final_digest, torchrun
-
 import transformers  # the `hf` extra; `dev` (what the tests install) includes it
+from helpers import final_digest, torchrun
 
 pytestmark = pytest.mark.slow  # whole runs under torchrun: `pytest -m "not slow"` skips them
 

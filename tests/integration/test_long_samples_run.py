@@ -6,7 +6,6 @@ import re
 
 import numpy as np
 import pytest
-
 from helpers import torchrun
 
 pytestmark = pytest.mark.slow  # whole runs under torchrun

@@ -8,13 +8,19 @@ sum). DDP and FSDP2, with an idle tail drafter and with anchor chunks."""
 import pytest
 import torch
 import torch.distributed as dist
+from drafter_batches import (
+    B,
+    assert_drafters_give,
+    make_model,
+    reference_grads,
+    saved_grads,
+    step_batch,
+    step_settings_of,
+)
 
 from dflash_dist.parallel.sharding import make_sharding
 from dflash_dist.training.stats import StepStats
 from dflash_dist.training.step import normalise, reduce_stats, step_gradients
-
-from drafter_batches import (B, assert_drafters_give, make_model, reference_grads, saved_grads, step_batch,
-                             step_settings_of)
 
 
 def _worker(rank, q, kind, num_batches, chunk, out):

@@ -4,10 +4,9 @@ from __future__ import annotations
 import json
 
 import numpy as np
+from corpora import BUDGET, MAX_SEQS, chat_lengths
 
 from dflash_dist.plan.epochs import build_plan
-
-from corpora import BUDGET, MAX_SEQS, chat_lengths
 
 
 def test_bench_helpers_and_smoke(tmp_path, capsys):

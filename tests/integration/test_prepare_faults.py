@@ -9,8 +9,12 @@ import subprocess
 import sys
 import time
 
-from chat_fixtures import CONV, openai, write_jsonl
-from chat_fixtures import tok_dir  # noqa: F401  (fixtures)
+from chat_fixtures import (
+    CONV,
+    openai,
+    tok_dir,  # noqa: F401  (fixtures)
+    write_jsonl,
+)
 
 
 def cli(tok_dir, src, out, *extra):

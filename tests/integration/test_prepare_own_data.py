@@ -9,8 +9,8 @@ import sys
 
 import numpy as np
 import pytest
-
 from chat_fixtures import CHATML_EOT, make_chatml_tokenizer, write_jsonl
+
 from dflash_dist.data.disk import open_dataset
 from dflash_dist.evaluation.prompts import read_prompt_file
 

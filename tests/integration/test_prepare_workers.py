@@ -11,12 +11,15 @@ import sys
 
 import numpy as np
 import pytest
+from chat_fixtures import (
+    corpus_lines,
+    openai,
+    tok_dir,  # noqa: F401  (fixtures)
+    write_jsonl,
+)
 
 from dflash_dist.data.disk import open_dataset
 from dflash_dist.data.prepare import Options, prepare
-
-from chat_fixtures import corpus_lines, openai, write_jsonl
-from chat_fixtures import tok_dir  # noqa: F401  (fixtures)
 
 
 def test_cli_with_workers_matches_in_process(tok_dir, tmp_path):

@@ -12,14 +12,17 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import wait_for
+from regen_fixtures import (
+    ENV,
+    ROOT,
+    fault_argv,
+    target,  # noqa: F401  (fixtures)
+)
 from torch.distributed import TCPStore
 
 from dflash_dist.bench.regenerate import conversations, write_jsonl
 from dflash_dist.data.regen import chunks
-
-from helpers import wait_for
-from regen_fixtures import ENV, ROOT, fault_argv
-from regen_fixtures import target  # noqa: F401  (fixtures)
 
 
 def regen_workers(root_pid: int) -> dict[int, int]:

@@ -10,14 +10,17 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import wait_for
+from regen_fixtures import (
+    ENV,
+    ROOT,
+    regen_argv,
+    regen_cmd,
+    target,  # noqa: F401  (fixtures)
+)
 
 from dflash_dist.bench.regenerate import conversations, write_jsonl
 from dflash_dist.data.regen import chunks
-
-from helpers import wait_for
-from regen_fixtures import ENV, ROOT, regen_argv, regen_cmd
-from regen_fixtures import target  # noqa: F401  (fixtures)
-
 
 pytestmark = pytest.mark.slow  # whole runs in subprocesses
 

@@ -9,12 +9,10 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 import helpers
+import pytest
 from helpers import wait_for
 from slurm_cluster import SBATCH
-
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = ROOT / "launch" / "run.sh"

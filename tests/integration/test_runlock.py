@@ -7,9 +7,8 @@ import sys
 
 import pytest
 
-from dflash_dist.io.runlock import RunLock
 from dflash_dist.config import ConfigError
-
+from dflash_dist.io.runlock import RunLock
 
 HOLD = """
 import sys, time

@@ -6,7 +6,6 @@ import re
 import signal
 
 import pytest
-
 from helpers import interrupt, metrics, torchrun
 
 from dflash_dist.config import ObjectiveConfig

@@ -7,13 +7,12 @@ load-time self-check runs sharded too), captures a packed batch, and reports wha
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
+from helpers import spawn
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
 from dflash_dist.models.hf_target import load_hf_target
-from helpers import spawn
 
 SHAPE = dict(vocab_size=102, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=256,

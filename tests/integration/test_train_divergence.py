@@ -5,10 +5,7 @@ import re
 
 import pytest
 import torch
-
-from helpers import torchrun
-from helpers import exit_codes
-
+from helpers import exit_codes, torchrun
 
 pytestmark = pytest.mark.slow  # whole runs under torchrun: `pytest -m "not slow"` skips them
 

@@ -6,10 +6,8 @@ import re
 import numpy as np
 import pytest
 import transformers  # the `hf` extra; `dev` (what the tests install) includes it
-
 from evaluate_fixtures import write_jsonl
 from helpers import metrics, torchrun
-
 
 # The token-id prompts of tests/system/test_evaluate_engines.py.
 IDS = [[3, 17, 42, 99, 5, 8, 60], [11, 22, 23, 7, 90, 31, 44, 12, 19, 64, 1, 77], [120, 5, 6],
@@ -66,6 +64,7 @@ def test_training_summary_tau_on_eval_bench(tmp_path):
 
 def _prepared(tmp_path):
     import torch
+
     from dflash_dist.config import load_config
     from dflash_dist.data.disk import write_dataset
     from dflash_dist.data.synthetic import synthetic_dataset

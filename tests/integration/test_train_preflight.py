@@ -6,11 +6,9 @@ import re
 import socket
 
 import pytest
-
-from dflash_dist.io.runlock import RunLock
-
 from helpers import exit_codes, read_only, torchrun
 
+from dflash_dist.io.runlock import RunLock
 
 pytestmark = pytest.mark.slow  # whole runs under torchrun
 

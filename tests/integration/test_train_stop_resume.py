@@ -7,13 +7,11 @@ import re
 import signal
 import time
 
-import pytest
-
-from dflash_dist.checkpoints.store import list_checkpoints
-
 import helpers
+import pytest
 from helpers import final_digest, metrics, torchrun, wait_for, worker_pids
 
+from dflash_dist.checkpoints.store import list_checkpoints
 
 pytestmark = pytest.mark.slow  # whole runs under torchrun: `pytest -m "not slow"` skips them
 

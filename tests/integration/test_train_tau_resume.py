@@ -8,10 +8,9 @@ import re
 import signal
 
 import pytest
+from helpers import metrics, start_torchrun, torchrun, wait_for, worker_pids
 
 from dflash_dist.report.runs import load_run
-
-from helpers import metrics, start_torchrun, torchrun, wait_for, worker_pids
 
 pytestmark = pytest.mark.slow  # whole runs under torchrun
 

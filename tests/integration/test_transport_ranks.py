@@ -3,11 +3,10 @@ header mismatch is a clear error."""
 import traceback
 
 import torch
+from helpers import spawn
 
 from dflash_dist.data.collate import PackedBatch
 from dflash_dist.parallel.transport import PacketError, PacketSender, PendingPacket
-
-from helpers import spawn
 
 
 def _worker(rank, q, sent_batch_ids):

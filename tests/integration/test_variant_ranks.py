@@ -6,19 +6,18 @@ Each rank makes the calls the drafter role makes: `parallel.sharding.make_shardi
 `training.step.step_gradients` (DDP's or FSDP's reduce in the last anchor chunk's backward; anchor chunks of
 2, so the last chunk's reduce follows earlier chunks), then the step's normalisation by the all-reduced
 weight (`training.step.normalise` under objective.loss_norm=step)."""
+import helpers
 import pytest
 import torch
 import torch.distributed as dist
+from drafter_batches import make_batch, merged
+from variant_models import NAMES, feat_dim, make_model, tiny_spec
 
 from dflash_dist.config import ObjectiveConfig
 from dflash_dist.models.variants import RunProgress
 from dflash_dist.parallel.sharding import make_sharding
 from dflash_dist.training.stats import StepStats
 from dflash_dist.training.step import StepBatch, drafter_step, normalise, step_gradients, step_settings
-
-import helpers
-from drafter_batches import make_batch, merged
-from variant_models import NAMES, feat_dim, make_model, tiny_spec
 
 pytestmark = pytest.mark.slow  # several processes
 

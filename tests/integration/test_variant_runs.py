@@ -14,9 +14,8 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from helpers import TINY, final_digest, interrupt, metrics, torchrun
+from safetensors.torch import load_file
 from variant_models import NAMES
 
 from dflash_dist.config import load_config

@@ -10,7 +10,6 @@ import pytest
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-
 SPECIALS = ["<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<think>", "</think>"]
 EOT = "<|end|>"
 # One block per message; the template itself rejects two messages of the same role in a row.

@@ -7,7 +7,6 @@ import json
 
 import numpy as np
 
-
 N, BUDGET, MAX_SEQS = 902_000, 49_152, 64
 
 

@@ -1,9 +1,9 @@
 """A tiny drafter and three packed batches of unequal size (and unequal weight sums), for the tests that
 hold D drafters' step (real gloo processes, DDP and FSDP2) to one process's step on the merged batch:
 objective.loss_norm=step and D-PACE's position weights."""
+import helpers
 import torch
 
-import helpers
 from dflash_dist.data.collate import PackedBatch
 from dflash_dist.models.drafter import DFlashDrafter
 from dflash_dist.training.objective import anchor_generator, draw_anchors

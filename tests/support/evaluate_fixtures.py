@@ -6,17 +6,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
+from chat_fixtures import make_tokenizer
+from oracles import dflash_loss
 
 from dflash_dist.config import load_config
+from dflash_dist.models.build import build_drafter, build_target, draft_spec
 from dflash_dist.models.decode import greedy
 from dflash_dist.models.export import export_drafter
-from dflash_dist.models.build import build_drafter, build_target, draft_spec
 from dflash_dist.training.objective import block_labels
-from oracles import dflash_loss
-from chat_fixtures import make_tokenizer
-import pytest
 
 CPU = torch.device("cpu")
 # vLLM's CPU attention takes head sizes of 32 and more.

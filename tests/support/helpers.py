@@ -6,8 +6,8 @@ import json
 import os
 import re
 import subprocess
-import tempfile
 import sys
+import tempfile
 from pathlib import Path
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]

@@ -9,7 +9,6 @@ import multiprocessing.util
 import os
 import subprocess
 
-
 ATTEMPTS: list[str] = []  # what tried to start a process during the current test
 
 

@@ -7,12 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import TORCHRUN
 
 from dflash_dist.bench.regenerate import make_target
 from dflash_dist.data.regen.run import load_tokenizer
-
-from helpers import TORCHRUN
-
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -5,9 +5,9 @@ A variant added to `models.variants.VARIANTS` is picked up by all three; it only
 its defaults are too large for a test (a tiny spec's options) or its run needs keys of its own."""
 from __future__ import annotations
 
+import helpers
 import torch
 
-import helpers
 from dflash_dist.models.drafter import DFlashDrafter
 from dflash_dist.models.variants import VARIANTS
 

@@ -10,11 +10,11 @@ import sys
 
 import pytest
 import torch
+from evaluate_fixtures import save_target, target_overrides
 
 from dflash_dist.config import load_config
 from dflash_dist.models.build import build_drafter, build_target, draft_spec
 from dflash_dist.models.export import export_drafter, serving_settings
-from evaluate_fixtures import save_target, target_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -8,12 +8,11 @@ import types
 
 import pytest
 import torch
+from vllm.model_executor.models import qwen3_dflash2
 
 from dflash_dist.models.dflash2 import grouped_conv
 from dflash_dist.models.drafter import DFlashDrafter, DraftSpec
 from dflash_dist.models.qwen3 import rope_cos_sin
-
-from vllm.model_executor.models import qwen3_dflash2
 
 V, H = 96, 64
 

@@ -13,12 +13,12 @@ import socket
 
 import pytest
 import torch
+from evaluate_fixtures import save_target, target_overrides
 from safetensors.torch import load_file
 
 from dflash_dist.config import load_config
 from dflash_dist.models.build import build_drafter, build_target, draft_spec
 from dflash_dist.models.export import export_drafter
-from evaluate_fixtures import save_target, target_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 RANK = 8
@@ -27,8 +27,12 @@ RANK = 8
 @pytest.fixture(scope="module", params=[True, False], ids=["conf-with-markov", "conf-on-hidden"])
 def served(request, tmp_path_factory):
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import (destroy_distributed_environment, destroy_model_parallel,
-                                  ensure_model_parallel_initialized, init_distributed_environment)
+    from vllm.distributed import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        ensure_model_parallel_initialized,
+        init_distributed_environment,
+    )
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
     from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM

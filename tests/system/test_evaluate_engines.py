@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import pytest
-
 from evaluate_fixtures import TURNS, make_export, target_overrides, write_jsonl
 
 # Engine start-ups (three vLLM engines, one after the other) and torchrun: about 3 minutes on a shared

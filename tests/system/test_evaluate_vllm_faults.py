@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from evaluate_fixtures import make_export, target_overrides, write_jsonl
 from helpers import wait_for
 from regen_fixtures import descendants_left

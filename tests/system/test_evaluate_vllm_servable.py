@@ -7,10 +7,10 @@ from __future__ import annotations
 import logging
 
 import pytest
+from evaluate_fixtures import prompts, target_overrides, untrained_export
 
 from dflash_dist.evaluate import main
 from dflash_dist.evaluation import vllm_engine
-from evaluate_fixtures import prompts, target_overrides, untrained_export
 
 pytestmark = pytest.mark.timeout(600)
 

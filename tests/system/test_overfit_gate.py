@@ -29,7 +29,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import TORCHRUN
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]

@@ -8,13 +8,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import wait_for
+from regen_fixtures import (
+    ENV,
+    descendants_left,
+    fault_argv,
+    target,  # noqa: F401  (fixtures)
+)
 
 from dflash_dist.bench.regenerate import conversations, write_jsonl
 from dflash_dist.data.regen import chunks
-
-from helpers import wait_for
-from regen_fixtures import ENV, descendants_left, fault_argv
-from regen_fixtures import target  # noqa: F401  (fixtures)
 
 
 @pytest.mark.slow

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 import vllm  # noqa: F401  (CI installs it: launch/test.sh runs VLLM=1 launch/setup.sh; a missing engine fails)
+from regen_fixtures import target, tok  # noqa: F401  (fixtures)
 
 from dflash_dist.bench.regenerate import conversations, write_jsonl
 from dflash_dist.data.prepare import parse_messages
@@ -22,7 +22,6 @@ from dflash_dist.data.regen.chat import ChatRenderer, parse_line, stop_token_ids
 from dflash_dist.data.regen.engine import EngineSpec, Sampling
 from dflash_dist.data.regen.engines import build_engine
 from dflash_dist.data.regen.run import Job, Shard, generation_config, run
-from regen_fixtures import target, tok  # noqa: F401  (fixtures)
 
 MAX_NEW = 24
 # The first test also starts vLLM (30-150 s on the shared 2-core machine, most of it compiling the model).

@@ -11,15 +11,17 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import torchrun, wait_for
+from regen_fixtures import (
+    ENV,
+    ROOT,
+    regen_argv,
+    regen_cmd,
+    target,  # noqa: F401  (fixtures)
+)
 
 from dflash_dist.bench.regenerate import conversations, write_jsonl
 from dflash_dist.data.regen import chunks
-
-from helpers import torchrun, wait_for
-from regen_fixtures import ENV, regen_argv, regen_cmd
-from regen_fixtures import target  # noqa: F401  (fixtures)
-from regen_fixtures import ROOT
-
 
 pytestmark = pytest.mark.slow  # whole runs in subprocesses
 

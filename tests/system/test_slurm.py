@@ -9,12 +9,10 @@ import signal
 import time
 from pathlib import Path
 
-import pytest
-
 import helpers
+import pytest
 from helpers import final_digest, wait_for
 from slurm_cluster import SlurmCluster
-
 
 # The Slurm tests' job: 5262 steps, at most ~60 a second on the idle 2-core CPU machine (a clean-clone CI
 # run trained 1754 of them in 30 s; 12 a second when it is busy), so about 90 s of training at least: long

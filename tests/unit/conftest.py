@@ -6,7 +6,6 @@ needs a process belongs in tests/integration."""
 from __future__ import annotations
 
 import pytest
-
 from process_guard import ATTEMPTS, GUARDED, StartedProcess, refuse
 
 

@@ -15,7 +15,6 @@ import torch
 
 from dflash_dist.models import attention as attn
 
-
 TOL = dict(atol=2e-6, rtol=1e-5)
 LAYOUTS = {
     "one_seq": [200],

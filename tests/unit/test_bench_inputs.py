@@ -8,8 +8,22 @@ import types
 
 import pytest
 
-from dflash_dist.bench import (anchors, attention, colocated, cost, dflash2_step, evaluate, gpu_check, memory,
-                               pipeline, plan, regenerate, transport, variant_step, vllm_cores)
+from dflash_dist.bench import (
+    anchors,
+    attention,
+    colocated,
+    cost,
+    dflash2_step,
+    evaluate,
+    gpu_check,
+    memory,
+    pipeline,
+    plan,
+    regenerate,
+    transport,
+    variant_step,
+    vllm_cores,
+)
 
 STEP_BENCHES = {"variant_step": variant_step, "dflash2_step": dflash2_step}
 SMALL = ["--seqs", "2", "--prompt", "8", "--reply", "24", "--num-anchors", "4", "--vocab", "512", "--hidden", "64",

@@ -6,9 +6,7 @@ import pytest
 import torch
 
 from dflash_dist.bench import attention as bench_attention
-from dflash_dist.bench import dflash2_step
-from dflash_dist.bench import gpu_check
-from dflash_dist.bench import variant_step
+from dflash_dist.bench import dflash2_step, gpu_check, variant_step
 
 
 def test_dflash2_step_bench_tiny(tmp_path, capsys):

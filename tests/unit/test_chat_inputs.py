@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_prepare import EOT, make_tokenizer, openai, supervised_runs
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -24,7 +25,6 @@ from dflash_dist.data.regen.engine import EngineSpec, Sampling
 from dflash_dist.data.regen.engines import build_engine
 from dflash_dist.data.regen.run import Job, Shard, generation_config, load_tokenizer, run
 from dflash_dist.evaluation.prompts import EvalInputError, read_prompt_file
-from test_prepare import EOT, make_tokenizer, openai, supervised_runs
 
 MAX_NEW = 16
 LS = "\u2028"  # LINE SEPARATOR: str.splitlines() splits on it (and on U+2029, U+0085); JSON strings may hold it raw

@@ -8,12 +8,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from chat_fixtures import make_chatml_tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from dflash_dist.data import jsonl
 from dflash_dist.data.jsonl import Skip, read_chat_line, template_view
-
-from chat_fixtures import make_chatml_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "sum of a and b",
                                            "parameters": {"type": "object", "properties": {"a": {}, "b": {}}}}}]

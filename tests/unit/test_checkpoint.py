@@ -6,10 +6,18 @@ import re
 import pytest
 import torch
 
-
 from dflash_dist.checkpoints import store as checkpoint
-from dflash_dist.checkpoints.store import (begin_run, check_resume_data, cleanup_leftovers, completed, layout_meta,
-                                    list_checkpoints, read_meta, resolve_resume, save_checkpoint)
+from dflash_dist.checkpoints.store import (
+    begin_run,
+    check_resume_data,
+    cleanup_leftovers,
+    completed,
+    layout_meta,
+    list_checkpoints,
+    read_meta,
+    resolve_resume,
+    save_checkpoint,
+)
 from dflash_dist.config import ConfigError, load_config, to_dict
 from dflash_dist.data.dataset import TokenDataset
 from dflash_dist.data.digest import dataset_digest

@@ -7,15 +7,19 @@ import shutil
 
 import pytest
 import torch
-
-from dflash_dist.checkpoints import store as checkpoint
-from dflash_dist.checkpoints.store import (CheckpointWriteError, cleanup_leftovers, layout_meta, list_checkpoints,
-                                    resolve_resume, save_checkpoint)
-from dflash_dist.config import ConfigError, load_config, to_dict
-from dflash_dist.parallel.topology import Layout
-
 from helpers import flip_byte
 
+from dflash_dist.checkpoints import store as checkpoint
+from dflash_dist.checkpoints.store import (
+    CheckpointWriteError,
+    cleanup_leftovers,
+    layout_meta,
+    list_checkpoints,
+    resolve_resume,
+    save_checkpoint,
+)
+from dflash_dist.config import ConfigError, load_config, to_dict
+from dflash_dist.parallel.topology import Layout
 
 ONE = Layout(2, 2, 1)
 

@@ -7,25 +7,24 @@ import json
 import logging
 import re
 
+import helpers
 import numpy as np
 import pytest
-import helpers
 import torch
+from helpers import smol_shape
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from dflash_dist.forecast import cost as C
 from dflash_dist.bench import cost as bench_cost
 from dflash_dist.bench.cost import scaled_job
 from dflash_dist.bench.memory import Scaled
-from dflash_dist.training.capture import capture_for_drafter
 from dflash_dist.config import load_config, loss_gamma
+from dflash_dist.forecast import cost as C
 from dflash_dist.forecast.memory import BatchShape, Precision, Sharding
 from dflash_dist.forecast.shapes import model_shapes
 from dflash_dist.models import attention as attn
 from dflash_dist.models.build import build_drafter, draft_spec
-
-from helpers import smol_shape
+from dflash_dist.training.capture import capture_for_drafter
 
 TINY = Scaled(hidden=64, vocab=512, intermediate=192, target_layers=4, heads=4, kv_heads=2, head_dim=16,
               draft_layers=2, seqs=3, seq_len=70, prompt=10, num_anchors=12, anchor_chunk=16, loss_rows=64)

@@ -5,25 +5,24 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-import pytest
 import helpers
+import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from drafter_batches import three_sequences
 from probes import LargestWithVocab
+from safetensors.torch import load_file
 
 from dflash_dist.config import ConfigError, load_config
 from dflash_dist.evaluation.reference import speculative_generate
 from dflash_dist.evaluation.speculative import ContextDrafter, speculative, target_greedy
 from dflash_dist.models.build import build_drafter, build_target, draft_spec
-from dflash_dist.models.drafter import DFlashDrafter
 from dflash_dist.models.dflash2 import candidate_logits, unary_top_k, walk
+from dflash_dist.models.drafter import DFlashDrafter
 from dflash_dist.models.export import export_drafter
-from dflash_dist.training.objective import block_labels, lm_head_loss
 from dflash_dist.models.variants.dflash2_loss import _walked_rows
+from dflash_dist.training.objective import block_labels, lm_head_loss
 from dflash_dist.training.stats import StepStats
-
 
 CPU = torch.device("cpu")
 K, R = 5, 8
@@ -350,8 +349,9 @@ def test_the_memory_model_matches_a_dflash2_step_at_a_scaled_shape(bf16):
     """bench.memory's validation (test_memory's scaled shape and tolerance) with the DFlash 2 modules."""
     from dataclasses import dataclass
 
-    import dflash_dist.bench.memory as BM
     from test_memory import SMALL
+
+    import dflash_dist.bench.memory as BM
 
     @dataclass(frozen=True)
     class Scaled2(BM.Scaled):

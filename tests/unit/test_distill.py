@@ -3,14 +3,17 @@ import math
 
 import pytest
 import torch
+from oracles import dflash_loss
 
 from dflash_dist.config import ConfigError, load_config
 from dflash_dist.parallel.transport import target_label_width
-from dflash_dist.training.objective import (argmax_block_labels, block_labels, predictions_from_hidden,
-                                   soft_block_targets, target_predictions)
-
-from oracles import dflash_loss
-
+from dflash_dist.training.objective import (
+    argmax_block_labels,
+    block_labels,
+    predictions_from_hidden,
+    soft_block_targets,
+    target_predictions,
+)
 
 B, V = 8, 40
 CU = torch.tensor([0, 20, 26])

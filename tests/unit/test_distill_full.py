@@ -6,6 +6,8 @@ from __future__ import annotations
 import helpers
 import pytest
 import torch
+from oracles import full_distill_loss
+from probes import LargestOutput
 
 from dflash_dist.config import ConfigError, load_config
 from dflash_dist.data.collate import PackedBatch
@@ -13,11 +15,15 @@ from dflash_dist.models.build import build_drafter, build_target, draft_spec
 from dflash_dist.models.variants import check_objective
 from dflash_dist.parallel.transport import packet_spec, sends_final_hidden, target_label_width
 from dflash_dist.training.capture import capture_for_drafter
-from dflash_dist.training.objective import (FullTarget, anchor_generator, block_labels, draw_anchors, head_loss,
-                                            label_positions, lm_head_loss)
-
-from oracles import full_distill_loss
-from probes import LargestOutput
+from dflash_dist.training.objective import (
+    FullTarget,
+    anchor_generator,
+    block_labels,
+    draw_anchors,
+    head_loss,
+    label_positions,
+    lm_head_loss,
+)
 
 CPU = torch.device("cpu")
 A, B, H, V, N = 7, 6, 16, 300, 60
@@ -235,8 +241,9 @@ def test_the_memory_model_matches_a_measured_target_full_step():
     (rows, V) buffers and the gradient's cast, within the band test_memory holds the other modes to."""
     from dataclasses import replace
 
-    import dflash_dist.bench.memory as BM
     from test_memory import SMALL
+
+    import dflash_dist.bench.memory as BM
     v = BM.validate(replace(SMALL, bf16=True, labels="target_full"), time_steps=False)
     ratios = {"target": v["target"]["predicted"] / v["target"]["measured"]}
     for name in ("chunked", "unchunked"):

@@ -11,9 +11,10 @@ import helpers
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from drafter_batches import three_sequences
+from oracles import full_distill_loss
 from probes import LargestWithVocab
+from safetensors.torch import load_file
 
 from dflash_dist.config import ConfigError, ObjectiveConfig, load_config
 from dflash_dist.data.collate import PackedBatch
@@ -28,8 +29,6 @@ from dflash_dist.models.variants.domino_loss import domino_lambda
 from dflash_dist.parallel.transport import packet_spec
 from dflash_dist.training.objective import block_labels
 from dflash_dist.training.step import StepBatch, drafter_step, step_settings
-
-from oracles import full_distill_loss
 
 CPU = torch.device("cpu")
 G, E = 10, 6

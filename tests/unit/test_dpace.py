@@ -7,15 +7,15 @@ and a short run under torchrun that trains, stops, resumes and exports.
 """
 import math
 
+import helpers
 import pytest
 import torch
 import torch.nn.functional as F
+from drafter_batches import ALPHA, make_batch, make_model, reference_grads
 
-import helpers
 from dflash_dist.config import ConfigError, load_config
 from dflash_dist.training.objective import block_labels, dpace_weights, lm_head_loss, loss_denominator
 
-from drafter_batches import ALPHA, make_batch, make_model, reference_grads
 
 def loop_weights(ce, trained, alpha):
     """The formula as written, one block and one slot at a time: w_k = sum_{m >= k} prod_{i <= m} q~_i

@@ -10,9 +10,9 @@ import helpers
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from drafter_batches import three_sequences
 from probes import LargestWithVocab
+from safetensors.torch import load_file
 
 from dflash_dist.config import ConfigError, load_config
 from dflash_dist.data.collate import PackedBatch

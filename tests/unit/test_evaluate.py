@@ -17,8 +17,8 @@ from dflash_dist.evaluate import acceptance_length, greedy_generate, heldout_pro
 from dflash_dist.evaluation.prompts import read_prompt_file
 from dflash_dist.evaluation.results import Tally, answer_digest, report, table
 from dflash_dist.evaluation.speculative import speculative, target_greedy
-from dflash_dist.models.export import export_drafter
 from dflash_dist.models.build import build_drafter, build_target, draft_spec
+from dflash_dist.models.export import export_drafter
 
 CPU = torch.device("cpu")
 

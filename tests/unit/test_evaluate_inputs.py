@@ -9,10 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from evaluate_fixtures import (
+    B4,
+    draft,  # noqa: F401  (fixtures)
+    prompts,
+)
 
 from dflash_dist.evaluate import main
-from evaluate_fixtures import B4, prompts
-from evaluate_fixtures import draft  # noqa: F401  (fixtures)
 
 CPU = torch.device("cpu")
 
@@ -113,6 +116,7 @@ def test_named_benchmarks_are_cached_as_turns_files(tmp_path, monkeypatch):
     """With `datasets` reachable (a stand-in here: CI has no Hub), each public set becomes NAME.jsonl in the
     conversation format, worded as z-lab's benchmark sends it; mt-bench keeps its turns."""
     import types
+
     from dflash_dist.evaluation.prompts import load_bench
     rows = {"openai/gsm8k": [{"question": "2 + 3?"}], "HuggingFaceH4/MATH-500": [{"problem": "x^2 = 4"}],
             "openai/openai_humaneval": [{"prompt": "def f(x):\n"}], "google-research-datasets/mbpp": [{"prompt": "sort it"}],

@@ -3,14 +3,14 @@ cannot write, and prompts longer than the target's context (issue 29, items 9 an
 from __future__ import annotations
 
 import pytest
+from evaluate_fixtures import B4, CPU, draft, prompts  # noqa: F401  (draft: a fixture)
+from helpers import read_only
+from test_evaluate_inputs import run
 
 from dflash_dist.config import load_config
 from dflash_dist.evaluation import hf_engine
 from dflash_dist.evaluation.prompts import EvalInputError, PromptSet
 from dflash_dist.models.build import build_drafter, build_target, draft_spec
-from helpers import read_only
-from evaluate_fixtures import B4, CPU, draft, prompts  # noqa: F401  (draft: a fixture)
-from test_evaluate_inputs import run
 
 
 def never(*a, **k):
@@ -71,8 +71,9 @@ def test_the_context_check_counts_every_prompt_over_it(small_context):
 
 def test_the_vllm_engine_refuses_prompts_past_its_context_before_any_engine_starts(tmp_path, caplog, monkeypatch):
     """--engine vllm applies the same rule at --max-model-len (else the target's context), before vLLM starts."""
-    from dflash_dist.evaluation import vllm_engine
     from evaluate_fixtures import target_overrides, untrained_export
+
+    from dflash_dist.evaluation import vllm_engine
     monkeypatch.setattr(vllm_engine, "run_sets", never)
     target, fitting = untrained_export(tmp_path)  # a drafter of this target: the fit check passes
     path = prompts(tmp_path, f"[1, 2, 3]\n{list(range(1, 21))}\n")
@@ -86,8 +87,9 @@ def test_the_vllm_engine_refuses_prompts_past_its_context_before_any_engine_star
 def test_the_vllm_engine_serves_each_variant_by_its_method_and_drafts(tmp_path, caplog, monkeypatch, variant, method,
                                                                       drafts):
     """The speculative_config vLLM gets is the export's variant's: DSpark drafts all B = 4 slots a block."""
-    from dflash_dist.evaluation import vllm_engine
     from evaluate_fixtures import target_overrides, untrained_export
+
+    from dflash_dist.evaluation import vllm_engine
     seen = []
 
     def record(opts, *a, **k):

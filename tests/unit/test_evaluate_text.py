@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from chat_fixtures import make_tokenizer
 from evaluate_fixtures import CPU, TURNS, make_export, target_overrides, write_jsonl
 

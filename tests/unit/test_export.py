@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from dflash_dist.config import load_config
-from dflash_dist.models.export import export_drafter, load_drafter
 from dflash_dist.models.build import build_drafter, build_target, draft_spec
+from dflash_dist.models.export import export_drafter, load_drafter
 
 CPU = torch.device("cpu")
 

@@ -4,10 +4,10 @@ import json
 import os
 
 import pytest
+from gguf_fixtures import write_gguf
 
 from dflash_dist.io import files
 from dflash_dist.models import from_gguf
-from gguf_fixtures import write_gguf
 
 
 def test_out_dir_holding_something_else_is_refused(tmp_path):

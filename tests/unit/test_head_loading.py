@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from dflash_dist.config import load_config
 from dflash_dist.models import head as head_mod
 from dflash_dist.models.build import draft_spec
-from dflash_dist.models.head import load_hf_head, load_head_only_target
+from dflash_dist.models.head import load_head_only_target, load_hf_head
 from dflash_dist.models.hf_target import load_hf_target
 
 SHAPE = dict(vocab_size=211, hidden_size=32, intermediate_size=80, num_hidden_layers=4, num_attention_heads=4,

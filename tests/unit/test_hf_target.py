@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
+from helpers import assert_capture_matches_alone  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config  # noqa: E402
 
 from dflash_dist.config import load_config  # noqa: E402
 from dflash_dist.models.build import draft_spec  # noqa: E402
 from dflash_dist.models.hf_target import load_hf_target  # noqa: E402
-from helpers import assert_capture_matches_alone  # noqa: E402
 
 SHAPE = dict(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=256,

@@ -2,10 +2,10 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from oracles import dflash_loss
 from probes import LargestOutput
 
 from dflash_dist.training.objective import argmax_block_labels, block_labels, lm_head_loss, soft_block_targets
-from oracles import dflash_loss
 
 A, B, H, V, K = 7, 6, 16, 300, 4  # A*B = 42 rows, 35 of them past slot 0
 

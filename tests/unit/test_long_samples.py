@@ -14,8 +14,14 @@ from dflash_dist.data.dataset import TokenDataset
 from dflash_dist.data.digest import dataset_digest
 from dflash_dist.data.synthetic import synthetic_dataset
 from dflash_dist.plan.epochs import build_plan, plan_digest, plan_for_epoch
-from dflash_dist.plan.long_samples import (TruncatedDataset, check_context, check_skipped_share, cut_limit,
-                                           plan_figures, run_dataset)
+from dflash_dist.plan.long_samples import (
+    TruncatedDataset,
+    check_context,
+    check_skipped_share,
+    cut_limit,
+    plan_figures,
+    run_dataset,
+)
 from dflash_dist.training.objective import block_labels, draw_anchors
 
 

@@ -9,9 +9,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from dflash_dist.forecast import memory as M
 from dflash_dist.bench import memory as BM
 from dflash_dist.config import load_config
+from dflash_dist.forecast import memory as M
 from dflash_dist.forecast.shapes import TARGET_SHAPES, builtin_shape_name, model_shapes
 from dflash_dist.plan.epochs import build_plan, plan_kwargs
 
@@ -94,6 +94,7 @@ def test_worst_batches_are_those_of_the_plan():
 
 def test_tail_anchorable_counts_what_draw_anchors_draws_from():
     import torch
+
     from dflash_dist.training.objective import draw_anchors
     for length, sup in ((10, 3), (10, 10), (5, 2), (3, 3), (12, 0), (2, 1), (1, 1)):
         mask = torch.zeros(length, dtype=torch.bool)
@@ -323,6 +324,7 @@ def test_validate_checks_the_configs_own_target_where_it_can_be_built(tmp_path, 
     """--validate's last part is the given config's target (a transformers model of its config.json, random
     weights): its capture measured against the prediction. Where it cannot be built, a line says why."""
     import io
+
     from helpers import SMOL
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps(SMOL | {"num_hidden_layers": 4, "vocab_size": 4096}))

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import assert_capture_matches_alone
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 from dflash_dist.models.hf_target import check_packed_capture, load_hf_target
-from helpers import assert_capture_matches_alone
 
 SHAPE = dict(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.1,

@@ -1,14 +1,14 @@
 import math
 
+import helpers
 import numpy as np
 import pytest
 import torch
+from oracles import dflash_loss
 
 from dflash_dist.data.collate import position_ids
 from dflash_dist.models.drafter import DFlashDrafter
 from dflash_dist.training.objective import anchor_generator, block_labels, draw_anchors
-import helpers
-from oracles import dflash_loss
 
 B = 8
 SPEC = helpers.tiny_spec(vocab_size=64, block_size=B)

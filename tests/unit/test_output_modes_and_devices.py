@@ -8,11 +8,11 @@ import os
 import stat
 import threading
 
+import gguf_fixtures
 import pytest
 import torch
 from safetensors.torch import save_file
 
-import gguf_fixtures
 from dflash_dist.io.files import AtomicDir, atomic_write, check_output_path, write_json
 from dflash_dist.models import from_gguf
 

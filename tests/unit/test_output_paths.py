@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import pytest
+from helpers import read_only
 
 from dflash_dist.io.files import OutputPathError, check_output_path
-from helpers import read_only
 
 
 def test_a_writable_path_is_returned_and_nothing_is_left_behind(tmp_path):

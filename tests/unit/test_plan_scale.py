@@ -1,14 +1,11 @@
 """The batch plan at the reference scale (902,000 samples, budget 49,152, 64 sequences per batch)."""
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
+from corpora import BUDGET, MAX_SEQS, N, chat_lengths
 
 from dflash_dist.plan.epochs import build_plan, epoch_generator, permutation
-from corpora import chat_lengths
-from corpora import BUDGET, MAX_SEQS, N
-
 
 
 @pytest.fixture(scope="module")

@@ -8,18 +8,22 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 import transformers  # noqa: E402,F401  (the dev extra installs it: a missing package fails, never skips)
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
-from transformers import PreTrainedTokenizerFast  # noqa: E402
+from chat_fixtures import (  # noqa: E402,F401
+    CONV,
+    EOT,
+    SPECIALS,
+    TEMPLATE,
+    corpus_lines,
+    make_tokenizer,
+    openai,
+    sharegpt,
+    tok_dir,  # noqa: F401  (fixtures)
+    write_jsonl,
+)
 
-from chat_fixtures import EOT, SPECIALS, TEMPLATE, make_tokenizer  # noqa: E402,F401
 from dflash_dist.data.disk import open_dataset  # noqa: E402
-from dflash_dist.data.prepare import (Options, _init_worker, _worker, encode, parse_messages,  # noqa: E402
-                                      prepare)
-from chat_fixtures import CONV, corpus_lines, openai, sharegpt
-from chat_fixtures import tok_dir  # noqa: F401  (fixtures)
-from chat_fixtures import write_jsonl
+from dflash_dist.data.prepare import Options, _init_worker, _worker, encode, parse_messages, prepare  # noqa: E402
 
 # Like Qwen3: past assistant turns lose their reasoning once the conversation goes on, so rendering a
 # prefix that ends at such a turn is NOT a prefix of the full text.

@@ -10,8 +10,8 @@ import logging
 
 import numpy as np
 import pytest
-
 from chat_fixtures import CHATML_EOT, CONV, make_chatml_tokenizer, make_tokenizer, openai, write_jsonl
+
 from dflash_dist.data.disk import open_dataset
 from dflash_dist.data.jsonl import read_record
 from dflash_dist.data.mixture import Selection, SourceError, parse_source

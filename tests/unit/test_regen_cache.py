@@ -3,7 +3,6 @@ import logging
 
 import numpy as np
 import pytest
-
 from helpers import flip_byte
 
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 
+from regen_fixtures import target, tok  # noqa: F401  (fixtures)
 
 from dflash_dist.data.regen.chat import ChatRenderer, parse_line, stop_token_ids
 from dflash_dist.data.regen.run import generation_config
-
-from regen_fixtures import target, tok  # noqa: F401  (fixtures)
 
 
 def test_thinking_flag_and_past_reasoning_follow_the_template(tok, tmp_path):

@@ -13,13 +13,14 @@ import re
 from pathlib import Path
 
 import pytest
-
+from regen_fixtures import (
+    fault_argv,
+    target,  # noqa: F401  (fixtures)
+)
 
 from dflash_dist.bench.regenerate import conversations, write_jsonl
 from dflash_dist.data.regen import chunks, cli
 from dflash_dist.data.regen.progress import MIN_RATE_S, status_line
-from regen_fixtures import fault_argv
-from regen_fixtures import target  # noqa: F401  (fixtures)
 
 
 @pytest.fixture(scope="module")

@@ -9,17 +9,16 @@ import json
 from pathlib import Path
 
 import pytest
+from chat_fixtures import TEMPLATE, make_chatml_tokenizer, make_tokenizer
+from test_chat_reader import AGENT, TOOLS
 from transformers import PreTrainedTokenizerFast
 
 from dflash_dist.data.jsonl import read_chat_line
+from dflash_dist.data.prepare import Skip
 from dflash_dist.data.regen.chat import ChatRenderer, parse_line
 from dflash_dist.data.regen.engine import EngineSpec, Generated, Sampling, serve_in_waves
 from dflash_dist.data.regen.progress import RankProgress
 from dflash_dist.data.regen.run import ChunkWorker, Job
-from dflash_dist.data.prepare import Skip
-
-from chat_fixtures import TEMPLATE, make_chatml_tokenizer, make_tokenizer
-from test_chat_reader import AGENT, TOOLS
 
 CALL_REPLY = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
 

@@ -7,11 +7,12 @@ import torch
 
 from dflash_dist.config import load_config
 from dflash_dist.data.dataset import TokenDataset
-from dflash_dist.data.target_corpus import cached_regenerate, regenerate_responses, regeneration_key, split_samples
-from dflash_dist.models.decode import greedy as batched_greedy, recompute_greedy, tiny_greedy
 from dflash_dist.data.synthetic import synthetic_dataset
+from dflash_dist.data.target_corpus import cached_regenerate, regenerate_responses, regeneration_key, split_samples
 from dflash_dist.evaluate import greedy_generate
 from dflash_dist.models.build import build_target
+from dflash_dist.models.decode import greedy as batched_greedy
+from dflash_dist.models.decode import recompute_greedy, tiny_greedy
 
 CPU = torch.device("cpu")
 

@@ -6,7 +6,6 @@ import json
 
 import pytest
 
-
 PLAN = b'{"kind": "plan", "epoch_counts": [3]}\n'
 
 
@@ -64,8 +63,9 @@ def test_a_damaged_line_that_is_not_a_cut_record_is_still_refused(tmp_path, bad)
 
 
 def test_an_unwritable_out_folder_exits_2_naming_it(tmp_path, capsys):
-    from dflash_dist.report.__main__ import main
     from helpers import read_only
+
+    from dflash_dist.report.__main__ import main
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_bytes(PLAN)
     (tmp_path / "ro").mkdir()
@@ -101,6 +101,7 @@ def test_smooth_keeps_the_length_of_a_run_shorter_than_its_window():
     """A run shorter than the window broke np.convolve's "same" mode, which returns max(n, w) points: the
     real recipe's test run, 5 steps in its last epoch under the report's 9-point detrending, hit it."""
     import numpy as np
+
     from dflash_dist.report.plotting import smooth
     y = np.array([1.0, 2.0, np.nan, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0])
     out, w = smooth(y, 21)

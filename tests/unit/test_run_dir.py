@@ -4,11 +4,10 @@ import errno
 
 import pytest
 import torch
-
-from dflash_dist.io.runlock import check_writable
-from dflash_dist.config import ConfigError, load_config
-
 from helpers import read_only
+
+from dflash_dist.config import ConfigError, load_config
+from dflash_dist.io.runlock import check_writable
 
 
 def test_a_run_dir_under_a_regular_file_is_a_config_error(tmp_path):

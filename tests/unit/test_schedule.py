@@ -1,8 +1,8 @@
 """The epoch schedule both roles walk: every batch from the origin on trained once, routes, vote points."""
 import pytest
 
-from dflash_dist.plan.schedule import EpochSchedule, Votes
 from dflash_dist.parallel.topology import Layout
+from dflash_dist.plan.schedule import EpochSchedule, Votes
 
 
 @pytest.mark.parametrize("n, origin, D", [(10, 0, 1), (10, 0, 3), (11, 4, 2), (7, 6, 3), (64, 13, 5), (5, 5, 2)])

@@ -6,10 +6,9 @@ import os
 
 import numpy as np
 import pytest
+from helpers import wandb_cfg
 
 from dflash_dist.io.files import write_json
-
-from helpers import wandb_cfg
 
 
 def _strict(text):

@@ -3,11 +3,10 @@ import json
 from collections import Counter
 
 import pytest
+from corpora import corpus
 
 from dflash_dist.data import sources
 from dflash_dist.evaluation.prompts import read_prompt_file
-
-from corpora import corpus
 
 
 def build(tmp_path, **kw):

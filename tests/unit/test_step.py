@@ -1,14 +1,14 @@
 """The drafter step: anchor chunks, layer checkpointing and the fused context change memory, not results."""
-import pytest
 import helpers
+import pytest
 import torch
+from oracles import dflash_loss
 
 from dflash_dist.data.collate import PackedBatch
 from dflash_dist.models.drafter import DFlashDrafter
-from dflash_dist.training.objective import anchor_generator, draw_anchors
-from oracles import dflash_loss
-from dflash_dist.training.step import batch_targets
 from dflash_dist.parallel.transport import TargetLabels
+from dflash_dist.training.objective import anchor_generator, draw_anchors
+from dflash_dist.training.step import batch_targets
 
 SPEC = helpers.tiny_spec()
 B, V, H = SPEC.block_size, SPEC.vocab_size, SPEC.hidden_size

@@ -78,9 +78,10 @@ class _ShortTarget:
 
 
 def test_an_eval_bench_prompt_longer_than_the_targets_context_is_refused_at_start(tmp_path):
+    from evaluate_fixtures import write_jsonl
+
     from dflash_dist.config import ConfigError, load_config
     from dflash_dist.train import check_eval_bench
-    from evaluate_fixtures import write_jsonl
     bench = write_jsonl(tmp_path / "bench.jsonl", [[1, 2, 3], list(range(20)), [4, 5]])
     cfg = load_config(None, [f"data.path={tmp_path / 'prepared'}", f"train.eval_bench={bench}",
                              "train.eval_prompts=3", "train.eval_every_steps=6"])

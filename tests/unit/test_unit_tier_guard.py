@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from process_guard import ATTEMPTS, StartedProcess
 
 

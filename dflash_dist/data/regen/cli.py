@@ -16,13 +16,13 @@ import logging
 import sys
 from pathlib import Path
 
-from dflash_dist.io.files import check_output_path
 from dflash_dist.config import Range
 from dflash_dist.data.records import sniff
 from dflash_dist.data.regen.engine import EngineSpec, Sampling
 from dflash_dist.data.regen.engines import default_engine
 from dflash_dist.data.regen.run import Job, Shard, exit_code_of, run
 from dflash_dist.exits import record_exit_code
+from dflash_dist.io.files import check_output_path
 
 log = logging.getLogger("dflash_dist.data.regenerate")
 

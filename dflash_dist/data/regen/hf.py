@@ -15,8 +15,8 @@ import logging
 
 import torch
 
-from dflash_dist.models.decode import one_cpu_thread
 from dflash_dist.data.regen.engine import EngineSpec, Generated, OnReply, Request, Sampling, finish, serve_in_waves
+from dflash_dist.models.decode import one_cpu_thread
 
 log = logging.getLogger(__name__)
 

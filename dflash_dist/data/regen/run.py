@@ -24,16 +24,16 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dflash_dist.io.runlock import RunLock
 from dflash_dist.data.digest import file_digest
 from dflash_dist.data.prepare import Skip
-from dflash_dist.exits import EXIT_BAD_INPUT, EXIT_PEER_LOST, EXIT_RESUME  # 75: finished chunks kept, rerun
 from dflash_dist.data.regen import chunks
 from dflash_dist.data.regen.chat import SKIP_REASONS, ChatRenderer, Conversation, parse_line, stop_token_ids
 from dflash_dist.data.regen.engine import Engine, EngineSpec, Generated, Request, Sampling
 from dflash_dist.data.regen.engines import build_engine
-from dflash_dist.data.regen.peers import GO, END, PeerLost, Peers
+from dflash_dist.data.regen.peers import END, GO, PeerLost, Peers
 from dflash_dist.data.regen.progress import RankProgress, Reporter
+from dflash_dist.exits import EXIT_BAD_INPUT, EXIT_PEER_LOST, EXIT_RESUME  # 75: finished chunks kept, rerun
+from dflash_dist.io.runlock import RunLock
 
 log = logging.getLogger(__name__)
 

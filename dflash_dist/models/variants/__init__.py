@@ -13,8 +13,16 @@ import importlib
 import os
 
 from dflash_dist.config import ConfigError, add_rule
-from dflash_dist.models.variants.base import (BlockLayout, LossChunk, LossWeights, Needs, RunProgress, Variant,
-                                              accepted_lengths, check_trains)
+from dflash_dist.models.variants.base import (
+    BlockLayout,
+    LossChunk,
+    LossWeights,
+    Needs,
+    RunProgress,
+    Variant,
+    accepted_lengths,
+    check_trains,
+)
 from dflash_dist.models.variants.dflash import DFlash
 from dflash_dist.models.variants.dflash2 import DFlash2
 from dflash_dist.models.variants.domino import Domino

@@ -10,8 +10,14 @@ import torch
 from dflash_dist.config import ConfigError
 from dflash_dist.models.variants.base import LossChunk, LossWeights, Variant
 from dflash_dist.models.variants.dflash2.loss import selector_term
-from dflash_dist.models.variants.dflash2.modules import (CandidateSelector, GroupedConv, candidate_logits, unary_top_k,
-                                                         unary_values, walk)
+from dflash_dist.models.variants.dflash2.modules import (
+    CandidateSelector,
+    GroupedConv,
+    candidate_logits,
+    unary_top_k,
+    unary_values,
+    walk,
+)
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dflash_dist.models.variants.dflash2.modules import candidate_logits, unary_top_k, unary_values
 from dflash_dist.models.variants.base import accepted_lengths
+from dflash_dist.models.variants.dflash2.modules import candidate_logits, unary_top_k, unary_values
 
 
 @dataclass

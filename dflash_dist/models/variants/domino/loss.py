@@ -43,8 +43,15 @@ from typing import NamedTuple
 
 import torch
 
-from dflash_dist.models.head_loss import (Chunk, ChunkLoss, RowInputs, chunk_rows, l1_softmax_grad, rowdot,
-                                          with_gradients)
+from dflash_dist.models.head_loss import (
+    Chunk,
+    ChunkLoss,
+    RowInputs,
+    chunk_rows,
+    l1_softmax_grad,
+    rowdot,
+    with_gradients,
+)
 from dflash_dist.models.variants.domino.head import delta_features, prefix_states
 from dflash_dist.models.variants.dspark.loss import previous_tokens
 
