@@ -17,6 +17,7 @@ WRAPPER = textwrap.dedent('''
     import dflash_dist.roles.drafter as d
     import dflash_dist.roles.reporter as rep
     import dflash_dist.roles.target as t
+    import dflash_dist.training.step as st
     slow_target, slow_drafter, out = float(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
     seen = {}  # (start, end) of every call, by name
 
@@ -30,7 +31,10 @@ WRAPPER = textwrap.dedent('''
                 seen.setdefault(name, []).append((t0, time.perf_counter()))
         return run
     q.TinyQwen3.capture = timed("capture", q.TinyQwen3.capture, slow_target)  # the injected delays
-    d.drafter_step = timed("step", d.drafter_step, slow_drafter)
+    # the drafter's delay where its training steps call it (training.step.step_gradients), not the role's
+    # module: since the one optimizer step moved there, a delay patched into roles.drafter slowed only the
+    # warm-up, and the "slow" drafter waited for the target
+    st.drafter_step = timed("step", st.drafter_step, slow_drafter)
     # What each role computes, as the roles count it: the target its capture_for_drafter; the drafter its
     # train_step less the wait for the packet (Inbox.take) and the reporter's record after the count.
     t.capture_for_drafter = timed("target_compute", t.capture_for_drafter)
