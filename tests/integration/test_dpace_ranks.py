@@ -7,38 +7,12 @@ import signal
 
 import helpers
 import pytest
-import torch
-import torch.distributed as dist
 from drafter_batches import (
     ALPHA,
-    B,
     assert_drafters_give,
-    make_model,
+    drafter_worker,
     reference_grads,
-    saved_grads,
-    step_batch,
-    step_settings_of,
 )
-
-from dflash_dist.parallel.sharding import make_sharding
-from dflash_dist.training.stats import StepStats
-from dflash_dist.training.step import normalise, reduce_stats, step_gradients
-
-
-def _worker(rank, q, kind, num_batches, chunk, out):
-    """One drafter doing what `Drafter.train_step` does under loss_norm=step (training/step.py): its
-    batch's summed loss (or an idle drafter's zero-weight step), the stats all-reduce, then the gradients
-    divided by `loss_denominator` of the step's totals (`normalise`)."""
-    model = make_model()
-    sh = make_sharding(kind, model, dist.group.WORLD, torch.device("cpu"))
-    settings = step_settings_of(model, anchor_chunk=chunk, dpace_alpha=ALPHA)
-    m = step_gradients(sh, step_batch(rank) if rank < num_batches else None, settings, lambda: step_batch(0))
-    stats = StepStats(B)
-    if m is not None:
-        stats.take_metrics(m)
-    normalise(sh.params, settings, reduce_stats(stats, dist.group.WORLD, torch.device("cpu")), num_batches)
-    saved_grads(model, rank, out)
-    q.put(rank)
 
 
 @pytest.mark.slow  # several processes
@@ -46,8 +20,8 @@ def _worker(rank, q, kind, num_batches, chunk, out):
 @pytest.mark.parametrize("world, num_batches, chunk", [(3, 2, 2), (3, 3, 1)])  # an idle tail drafter; chunks
 def test_a_dpace_step_of_several_drafters_is_one_batch_of_all_their_samples(tmp_path, kind, world, num_batches,
                                                                             chunk):
-    assert_drafters_give(_worker, reference_grads(num_batches, dpace_alpha=ALPHA), tmp_path, world,
-                         (kind, num_batches, chunk))
+    assert_drafters_give(drafter_worker, reference_grads(num_batches, dpace_alpha=ALPHA), tmp_path, world,
+                         (kind, num_batches, chunk, {"dpace_alpha": ALPHA}))
 
 
 @pytest.mark.slow  # whole runs under torchrun

@@ -75,6 +75,28 @@ def reference_grads(num_batches: int, **objective) -> dict:
     return {k: p.grad for k, p in model.named_parameters()}
 
 
+def drafter_worker(rank, q, kind, num_batches, chunk, objective: dict, out):
+    """One drafter doing what `Drafter.train_step` does (training/step.py): its batch's loss (or an idle
+    drafter's zero-weight step), the stats all-reduce, then `normalise` by the step's totals; rank 0 saves
+    the gradients. `objective`: the ObjectiveConfig keys of the step (e.g. D-PACE's alpha)."""
+    import torch.distributed as dist
+
+    from dflash_dist.parallel.sharding import make_sharding
+    from dflash_dist.training.stats import StepStats
+    from dflash_dist.training.step import normalise, reduce_stats, step_gradients
+
+    model = make_model()
+    sh = make_sharding(kind, model, dist.group.WORLD, torch.device("cpu"))
+    settings = step_settings_of(model, anchor_chunk=chunk, **objective)
+    m = step_gradients(sh, step_batch(rank) if rank < num_batches else None, settings, lambda: step_batch(0))
+    stats = StepStats(B)
+    if m is not None:
+        stats.take_metrics(m)
+    normalise(sh.params, settings, reduce_stats(stats, dist.group.WORLD, torch.device("cpu")), num_batches)
+    saved_grads(model, rank, out)
+    q.put(rank)
+
+
 def assert_drafters_give(worker, want: dict, tmp_path, world: int, args: tuple) -> None:
     """`world` ranks (helpers.spawn) run worker(rank, queue, *args, out) and put their rank on the queue;
     rank 0 saves the step's gradients to `out`, which must equal `want`."""
