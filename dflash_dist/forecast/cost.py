@@ -218,7 +218,7 @@ def drafter_terms(s: ModelShapes, p: Precision, cfg: Config, w: BatchShape, chun
                                                + float(spans.sum()) * c * 6 * K) + N * 12 * H),
     }
     own = forecast_of(cfg)
-    t.update(own.cost_terms(s, cfg, c, R, rows, w.anchors))  # the variant's own modules (forecast/variants.py)
+    t.update(own.cost_terms(s, cfg, c, R, rows, w.anchors))  # the variant's own modules (its Variant.forecast)
     if cfg.objective.labels == "target_full":  # objective._distill_rows: the target's logits (forward only),
         # its log-softmax and p_t, the KL and L1 passes: about as much element-wise work again as the loss's
         t["distill_head"] = Term("matmul", 2 * rows * H * V)

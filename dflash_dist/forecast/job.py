@@ -1,5 +1,5 @@
 """The job as both forecasts see it: one batch's shape, how a role's state is divided over ranks, and the
-element sizes and paths of the device (`forecast.memory`, `forecast.cost`, `forecast.variants`)."""
+element sizes and paths of the device (`forecast.memory`, `forecast.cost`, each variant's forecast terms)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -288,7 +288,7 @@ def chunk_peak(s: ModelShapes, p: Precision, cfg: Config, worst: BatchShape, a: 
     span = chunk_context_rows(worst, a)
     ctx = (context_row_bytes(s, p) + 2 * 4 * s.draft_head_dim) * span  # + the context rows' RoPE cos/sin
     attn_calls = sdpa_call_bytes(s, p, worst, a) if p.attention == "sdpa" else 0
-    own = forecast_of(cfg)  # the variant's own modules (forecast/variants.py)
+    own = forecast_of(cfg)  # the variant's own modules (its Variant.forecast)
     per_layer = (row + own.layer_row_bytes(s, p, cfg)) * R + ctx + attn_calls
     # After the layers: the embedding output (float32, the first layer's input), the final norm, the
     # loss's saved input gradient (rows with a label) and its index, block RoPE cos/sin.

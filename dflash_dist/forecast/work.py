@@ -9,6 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+# `Term` is defined beside the variants' forecast interface, whose terms build them (models/ may not
+# import forecast/); the cost model and its users import it from here all the same.
+from dflash_dist.models.variants.forecast import Term
+
 COMPUTE = ("matmul", "causal_attention", "block_attention")
 KINDS = COMPUTE + ("memory", "link", "network")
 
@@ -52,13 +56,6 @@ class Efficiency:
 
     def of(self, kind: str) -> float:
         return getattr(self, kind)
-
-
-@dataclass(frozen=True)
-class Term:
-    kind: str
-    amount: float  # FLOPs (compute kinds) or bytes
-    useful: float | None = None  # of the FLOPs, those the model needs (None: all; a recompute: 0)
 
 
 @dataclass

@@ -19,14 +19,14 @@ import pytest
 from safetensors.torch import load_file
 from torch import nn
 
-from dflash_dist.forecast.variants import DFlashForecast
 from dflash_dist.models.variants import PLUGINS_ENV, LossChunk, Variant
+from dflash_dist.models.variants.forecast import VariantForecast
 
 TOY_WEIGHT = 0.01  # the toy term's weight beside the unary cross-entropy (its figures stay the unary's)
 
 
-class ToyForecast(DFlashForecast):
-    name = "toy"
+class ToyForecast(VariantForecast):
+    """The score head's parameters; every other answer the interface's default (DFlash's: nothing)."""
 
     def params(self, s, cfg) -> int:
         return s.hidden + 1  # the score head's weight and bias

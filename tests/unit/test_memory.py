@@ -352,13 +352,32 @@ def test_colocated_ranks_with_a_split_target_are_refused_as_train_refuses_them(c
             in capsys.readouterr().err)
 
 
-def test_every_variant_has_its_forecast_terms():
-    """The forecasts ask each variant's own object (forecast/variants.py): one for every registered variant,
-    and nothing beyond the DFlash drafter's for DFlash itself."""
-    from dflash_dist.forecast.variants import FORECASTS, ChunkBytes, forecast_of
-    from dflash_dist.models.variants import VARIANTS
-    assert set(FORECASTS) == set(VARIANTS)
+def test_the_dflash_drafter_adds_nothing_to_the_forecasts():
+    """The default variant's forecast terms are the interface's own answers: nothing beyond what the memory
+    and cost models count of the DFlash drafter."""
+    from dflash_dist.forecast.variants import ChunkBytes, forecast_of
+    from dflash_dist.models.variants.forecast import VariantForecast
     cfg = load_config()
     s, own = model_shapes(cfg), forecast_of(cfg)
-    assert own.name == "dflash" and own.params(s, cfg) == 0 and own.cost_terms(s, cfg, 4, 64, 60.0, 4) == {}
+    assert type(own) is VariantForecast and own.params(s, cfg) == 0 and own.cost_terms(s, cfg, 4, 64, 60.0, 4) == {}
     assert own.chunk_bytes(s, M.Precision(device="cpu"), cfg, 64, 64, 4) == ChunkBytes(0, 0, 0)
+    assert own.layer_row_bytes(s, M.Precision(device="cpu"), cfg) == 0 and own.distill_passes(cfg) == 1.0
+
+
+def test_each_variant_owns_its_forecast_terms_and_the_variant_registry_is_the_only_list():
+    """Issue 45: a variant is one folder, its forecast terms included. Every registered variant declares a
+    `VariantForecast` (its own subclass in its own folder, or the default), the forecasts ask exactly that
+    object, and forecast/variants.py holds no variant's class nor a table of them (a second registry)."""
+    from dflash_dist.forecast import variants as FV
+    from dflash_dist.models.variants import VARIANTS
+    from dflash_dist.models.variants.forecast import VariantForecast
+    for name, variant in VARIANTS.items():
+        own = variant.forecast
+        assert isinstance(own, VariantForecast), name
+        assert type(own) is VariantForecast or type(own).__module__.startswith(type(variant).__module__), name
+        assert FV.forecast_of(load_config(overrides=[f"model.draft.variant={name}"])) is own
+    assert {n for n in VARIANTS if type(VARIANTS[n].forecast) is not VariantForecast} >= {"dflash2", "dspark", "domino"}
+    for key, value in vars(FV).items():
+        if isinstance(value, type) and issubclass(value, VariantForecast) or key.endswith("Forecast"):
+            assert value is VariantForecast, f"forecast/variants.py defines {key}: it belongs in its variant's folder"
+        assert not (isinstance(value, dict) and any(isinstance(v, VariantForecast) for v in value.values())), key

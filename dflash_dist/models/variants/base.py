@@ -9,10 +9,12 @@ variant adds to it, in one object:
 - its loss term and metrics (`loss_term`), given the unary loss of an anchor chunk and the head's top-K
   (`loss_top_k`) that the loss computed on its way;
 - its export contract (`config_fields` / `spec_fields`, the model card's lines);
-- its greedy decode step (`block_tokens`), which both decoders and the export's parity tests call.
-A new variant is a folder here (`<name>/__init__.py` its Variant, beside its modules and loss term)
-plus one line in `models/variants/__init__.py`, or a class registered from outside the package by
-DFLASH_VARIANTS=module:Class (the registry's docstring says why an environment variable).
+- its greedy decode step (`block_tokens`), which both decoders and the export's parity tests call;
+- what its modules add to the memory and cost forecasts (`forecast`: a `VariantForecast` of
+  `models/variants/forecast.py`, which says what the forecasts ask).
+A new variant is a folder here (`<name>/__init__.py` its Variant, beside its modules, loss term and
+forecast terms) plus one line in `models/variants/__init__.py`, or a class registered from outside the
+package by DFLASH_VARIANTS=module:Class (the registry's docstring says why an environment variable).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 
 from dflash_dist.config import ConfigError, loss_gamma
+from dflash_dist.models.variants.forecast import VariantForecast
 
 
 def accepted_lengths(hits: torch.Tensor) -> torch.Tensor:
@@ -126,10 +129,11 @@ class Variant:
     # State-dict prefixes exported in float32 whatever the export's dtype (the engine's params are).
     float32_prefixes: tuple[str, ...] = ()
     vllm_method: str | None = "dflash"  # vLLM's speculative method for this architecture (None: vLLM cannot serve it)
-    # What its own modules add to the memory and cost forecasts: an object answering the five questions of
-    # `forecast.variants.DFlashForecast` (which this layer cannot import). None: forecast/variants.py's
-    # object of the same name (the built-ins'); a variant registered from outside declares its own here.
-    forecast: Any = None
+    # What its own modules add to the memory and cost forecasts: a `VariantForecast` (forecast.py here)
+    # answering its five questions; the default is DFlash's, nothing beyond the backbone. A variant with
+    # modules of its own declares its subclass here (the built-ins' live in their folders,
+    # `<name>/forecast.py`): the one place the forecasts ask (`dflash_dist.forecast.variants.forecast_of`).
+    forecast: VariantForecast = VariantForecast()
 
     # The declared values by the names earlier issues gave them (the decoders, forecasts and tests read them).
     @property

@@ -9,6 +9,7 @@ import torch
 
 from dflash_dist.config import ConfigError
 from dflash_dist.models.variants.base import LossChunk, LossWeights, Variant
+from dflash_dist.models.variants.dflash2.forecast import DFlash2Forecast
 from dflash_dist.models.variants.dflash2.loss import selector_term
 from dflash_dist.models.variants.dflash2.modules import (
     CandidateSelector,
@@ -39,6 +40,7 @@ SGLang builds the convolution and the selector from `dflash_config` under the sa
 
 class DFlash2(Variant):
     name = "dflash2"
+    forecast = DFlash2Forecast()  # what its modules add to the memory and cost forecasts (forecast.py)
     title = "DFlash 2"
     architecture = "DFlash2DraftModel"
     # z-lab's `dflash2-config.json`; vLLM's qwen3_dflash2.py reads them.

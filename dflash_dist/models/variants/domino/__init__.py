@@ -26,6 +26,7 @@ import torch
 
 from dflash_dist.config import ConfigError
 from dflash_dist.models.variants.base import BlockLayout, LossChunk, RunProgress, Variant
+from dflash_dist.models.variants.domino.forecast import DominoForecast
 from dflash_dist.models.variants.domino.head import domino_heads, domino_rollout
 from dflash_dist.models.variants.domino.loss import DominoOptions, domino_lambda, domino_term
 from dflash_dist.models.variants.dspark.loss import slot_metrics
@@ -55,6 +56,7 @@ def served_metrics(pred: torch.Tensor, labels: torch.Tensor):
 
 class Domino(Variant):
     name = "domino"
+    forecast = DominoForecast()  # what its modules add to the memory and cost forecasts (forecast.py)
     title = "Domino"
     architecture = "DFlashDraftModel"  # SGLang's DFlash model class; the projector type tells Domino apart
     projector_type = PROJECTOR

@@ -16,6 +16,7 @@ import torch
 
 from dflash_dist.config import ConfigError
 from dflash_dist.models.variants.base import BlockLayout, LossChunk, LossWeights, Needs, Variant
+from dflash_dist.models.variants.dspark.forecast import DSparkForecast
 from dflash_dist.models.variants.dspark.heads import ConfidenceHead, MarkovHead, markov_walk
 from dflash_dist.models.variants.dspark.loss import DSparkOptions, dspark_term, slot_metrics
 
@@ -33,6 +34,7 @@ the wrong slots. Serve this drafter with vLLM."""
 
 class DSpark(Variant):
     name = "dspark"
+    forecast = DSparkForecast()  # what its modules add to the memory and cost forecasts (forecast.py)
     title = "DSpark"
     architecture = "Qwen3DSparkModel"
     layout = BlockLayout(anchor_drafts=True, prefix=True)
