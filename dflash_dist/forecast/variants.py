@@ -8,7 +8,7 @@ only list of them: a new variant, built in or registered from outside, adds noth
 """
 from __future__ import annotations
 
-from dflash_dist.config import Config
+from dflash_dist.config import Config, ConfigError
 from dflash_dist.forecast.shapes import ModelShapes
 from dflash_dist.models.variants import variant_of
 from dflash_dist.models.variants.forecast import ChunkBytes, VariantForecast
@@ -21,7 +21,12 @@ __all__ = ["ChunkBytes", "DFlashForecast", "VariantForecast", "draft_param_count
 def forecast_of(cfg: Config) -> VariantForecast:
     """The forecast terms of `model.draft.variant`'s variant (an unknown name: the registry's ConfigError
     naming the key)."""
-    return variant_of(cfg.model.draft.variant).forecast
+    name = cfg.model.draft.variant
+    own = variant_of(name).forecast
+    if not isinstance(own, VariantForecast):  # e.g. None, which once meant "this module's object"
+        raise ConfigError(f"config key 'model.draft.variant': variant {name!r} declares no forecast terms "
+                          f"(its Variant.forecast is {own!r}, not a models.variants.forecast.VariantForecast)")
+    return own
 
 
 def draft_param_count(s: ModelShapes, cfg: Config) -> int:

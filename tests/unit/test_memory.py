@@ -381,3 +381,20 @@ def test_each_variant_owns_its_forecast_terms_and_the_variant_registry_is_the_on
         if isinstance(value, type) and issubclass(value, VariantForecast) or key.endswith("Forecast"):
             assert value is VariantForecast, f"forecast/variants.py defines {key}: it belongs in its variant's folder"
         assert not (isinstance(value, dict) and any(isinstance(v, VariantForecast) for v in value.values())), key
+
+
+def test_a_variant_without_forecast_terms_is_refused_naming_the_key(monkeypatch):
+    """A variant registered from outside that declares `forecast = None` (the old way of saying "the built-in
+    table's") has no terms to ask: a ConfigError naming the key, not an AttributeError mid-forecast."""
+    from dflash_dist.config import ConfigError
+    from dflash_dist.forecast.variants import forecast_of
+    from dflash_dist.models.variants import VARIANTS, Variant
+
+    class Bare(Variant):
+        name = "bare"
+        forecast = None
+
+    monkeypatch.setitem(VARIANTS, "bare", Bare())
+    cfg = load_config(overrides=["model.draft.variant=bare"])
+    with pytest.raises(ConfigError, match="'model.draft.variant': variant 'bare' declares no forecast terms"):
+        forecast_of(cfg)
