@@ -22,7 +22,7 @@ from dflash_dist.config import Config, ConfigError
 from dflash_dist.forecast.job import Precision
 from dflash_dist.forecast.shapes import ModelShapes
 from dflash_dist.forecast.work import Term
-from dflash_dist.models.variants import variant_of
+from dflash_dist.models.variants import options_of, variant_of
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class DFlash2Forecast(DFlashForecast):
     def params(self, s, cfg):
         """Per layer two convolutions, each a base kernel (2, taps, H) and a projection H -> 2 x taps x H /
         group (models/variants/dflash2/modules.py); the selector's two codebooks (V x R each) and its hidden projection (R x H)."""
-        d = cfg.model.draft
+        d = options_of(cfg)
         H, taps = s.hidden, d.conv_kernel_size
         conv = 2 * taps * H + H * 2 * taps * (H // d.conv_group_size)
         return s.draft_layers * 2 * conv + 2 * s.vocab * d.selector_rank + d.selector_rank * H
@@ -74,7 +74,7 @@ class DFlash2Forecast(DFlashForecast):
         coefficients (taps x H: the float32 base kernel promotes them) and the shifted taps (taps - 1 rows,
         float32); per convolution the projection keeps the normed input the sublayer's projections kept
         before (they now keep the convolved rows), and side 1 keeps the sublayer's output."""
-        H, taps, c = s.hidden, cfg.model.draft.conv_kernel_size, p.drafter_compute
+        H, taps, c = s.hidden, options_of(cfg).conv_kernel_size, p.drafter_compute
         side = 4 * taps * H + 4 * (taps - 1) * H
         return 2 * (2 * side + 2 * c * H)
 
@@ -85,7 +85,7 @@ class DFlash2Forecast(DFlashForecast):
         chunks are freed) keeps every drafted row's projection and served candidates (ids, logits,
         scores) and gathers one position's successor rows (K x R per block) at a time (`greedy_path`);
         the larger transient is the loss's backward, the gradient of its K successor rows per labelled row."""
-        d = cfg.model.draft
+        d = options_of(cfg)
         K, Rk = d.selector_top_k, d.selector_rank
         drafted = labelled = block_rows - anchors
         blocks = drafted // max(1, s.block_size - 1)
@@ -99,7 +99,7 @@ class DFlash2Forecast(DFlashForecast):
         head), the input gradient of the K candidates' logits (their forward values come with the top-K),
         the hidden projection (loss: forward and backward; walk: forward) and the codebook scores of the
         loss (K x R) and of the walk (K x R: the chosen predecessor's row only)."""
-        d = cfg.model.draft
+        d = options_of(cfg)
         H, V, K, Rk, L = s.hidden, s.vocab, d.selector_top_k, d.selector_rank, s.draft_layers
         R, drafted = block_rows, block_rows - anchors  # block slots 1..B-1
         proj = 2 * 2 * H * 2 * d.conv_kernel_size * (H // d.conv_group_size)  # two convolutions, forward
@@ -117,7 +117,7 @@ class DSparkForecast(DFlashForecast):
         """The Markov head's W1 and W2 (V x r each: 77.8M at Qwen3-8B's V 151,936 and r 256;
         models/variants/dspark/heads.py) and the confidence head's projection of [h; W1[prev]] (H + r, or H)
         and its bias."""
-        d = cfg.model.draft
+        d = options_of(cfg)
         r = d.markov_rank
         conf = (s.hidden + (r if d.confidence_head_with_markov else 0) + 1) if d.enable_confidence_head else 0
         return 2 * s.vocab * r + conf
@@ -128,7 +128,7 @@ class DSparkForecast(DFlashForecast):
         labelled row (every row, an upper bound) one of h (H, the compute dtype) and of W1[prev] (r,
         float32), and W2's (V x r, float32); each row chunk holds two float32 (rows, V) buffers (the
         slot's softmax and the target's) beside the matmul's output."""
-        c, V, r = p.drafter_compute, s.vocab, cfg.model.draft.markov_rank
+        c, V, r = p.drafter_compute, s.vocab, options_of(cfg).markov_rank
         return ChunkBytes(saved=block_rows * (c * s.hidden + 4 * r) + 4 * V * r,
                           loss=rows * V * (8 + (c if c != 4 else 0)))
 
@@ -137,7 +137,7 @@ class DSparkForecast(DFlashForecast):
         the target's final hidden state (forward only); the Markov bias W2 . W1[prev] (forward, and the
         gradients into W1[prev] and W2); the target's softmax and the L1 term's sign pass, a second float32
         (rows, V) buffer."""
-        H, V, r = s.hidden, s.vocab, cfg.model.draft.markov_rank
+        H, V, r = s.hidden, s.vocab, options_of(cfg).markov_rank
         return {"dspark_teacher_head": Term("matmul", 2 * rows * H * V),
                 "dspark_markov": Term("matmul", 3 * 2 * rows * r * V),
                 "dspark_teacher_softmax": Term("memory", rows * V * (c + 3 * 4))}
@@ -149,8 +149,8 @@ class DominoForecast(DFlashForecast):
     def params(self, s, cfg):
         """The bias-free GRU's W_ih (3G x H) and W_hh (3G x G), the delta's W1 (E x (H + G)) and W2 (V x E:
         38.9M at Qwen3-8B's V 151,936 and E 256; models/variants/domino/head.py)."""
-        d = cfg.model.draft
-        G, E, H = d.gru_hidden_dim, d.domino_emb_dim, s.hidden
+        d = options_of(cfg)
+        G, E, H = d.gru_hidden_dim, d.emb_dim, s.hidden
         return 3 * G * (H + G) + E * (H + G) + s.vocab * E
 
     def chunk_bytes(self, s, p, cfg, rows, block_rows, anchors):
@@ -161,8 +161,8 @@ class DominoForecast(DFlashForecast):
         and W2's (V x E, float32); each row chunk holds two float32 (rows, V) buffers (the base logits'
         softmax and the final's) beside the head matmul's output, four under target_full (p_t and a
         scratch too: domino_loss._distill_chunk)."""
-        d = cfg.model.draft
-        c, V, G, E, H = p.drafter_compute, s.vocab, d.gru_hidden_dim, d.domino_emb_dim, s.hidden
+        d = options_of(cfg)
+        c, V, G, E, H = p.drafter_compute, s.vocab, d.gru_hidden_dim, d.emb_dim, s.hidden
         saved = block_rows * (10 * 4 * G + 4 * (H + G + 2 * E) + c * H + 4 * E) + 4 * V * E
         buffers = 4 if cfg.objective.labels == "target_full" else 2
         return ChunkBytes(saved=saved, loss=rows * V * (4 * buffers + (c if c != 4 else 0)))
@@ -173,8 +173,8 @@ class DominoForecast(DFlashForecast):
         the delta on the labelled rows (W1 over [h; s], W2 to the vocabulary: forward, input gradient and
         weight gradient each), and the second float32 (rows, V) buffer (the final logits' softmax and
         gradient beside the base's)."""
-        d = cfg.model.draft
-        H, V, G, E, R = s.hidden, s.vocab, d.gru_hidden_dim, d.domino_emb_dim, block_rows
+        d = options_of(cfg)
+        H, V, G, E, R = s.hidden, s.vocab, d.gru_hidden_dim, d.emb_dim, block_rows
         return {"domino_gru": Term("matmul", 3 * 2 * R * 3 * G * (H + G)),
                 "domino_delta": Term("matmul", 3 * 2 * rows * E * (H + G + V)),
                 "domino_gru_elementwise": Term("memory", 3 * R * 3 * G * 4 * 4),
@@ -184,7 +184,7 @@ class DominoForecast(DFlashForecast):
         """Domino distils both its logits while lambda is strictly between 0 and 1 (the first
         objective.domino_lambda_fraction of the run), then its final logits alone: 1 + f passes a batch
         on average."""
-        return 1.0 + cfg.objective.domino_lambda_fraction
+        return 1.0 + options_of(cfg).lambda_fraction
 
 
 FORECASTS: dict[str, DFlashForecast] = {f.name: f for f in (DFlashForecast(), DFlash2Forecast(), DSparkForecast(),
