@@ -6,7 +6,9 @@ reported once (exit code 2) instead of as a hang on some other rank.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
+import logging
 import math
 import typing
 from dataclasses import dataclass, field
@@ -15,6 +17,8 @@ from typing import Any, Callable, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -110,28 +114,10 @@ class DraftConfig:
     mask_token_id: int = num(-1, ge=-1)  # -1: the tokenizer's mask token / first unused row (hf), last row (tiny)
     seed: int = num(4321, ge=0)  # drafter initialisation
     checkpoint_layers: bool = False  # recompute each draft layer in backward (activations: one layer's)
-    # dflash: the DFlash drafter; dflash2: DFlash 2 (models/variants/dflash2/modules.py), a grouped dynamic convolution
-    # around each attention and MLP sublayer and a candidate path selector over the unary top-K.
-    # dspark: DSpark (models/variants/dspark/), "anchor as first" blocks (every slot drafts the next
-    # token: B per block) with a low-rank Markov bias on each slot's logits and a confidence head.
-    # domino: Domino (models/variants/domino/), anchor-as-first blocks whose slots k >= 1 add a logit
-    # delta from a GRU over the previous tokens' embeddings (SGLang's DFlash projector_type "domino").
-    # A name of models/variants' registry (its built-ins, and any registered through DFLASH_VARIANTS):
-    # config imports nothing, so the registry refuses an unknown name (`models.variants.check_objective`,
-    # which `train.main` runs right after loading, before any group forms).
+    # A name of models/variants' registry: dflash (the DFlash drafter), dflash2, dspark, domino, and any
+    # registered through DFLASH_VARIANTS. Its options (model and loss knobs) are the config's `variant`
+    # section, typed and checked by the variant (`models.variants.check_config`); config.py names none.
     variant: str = "dflash"
-    conv_kernel_size: int = num(2, ge=1)  # dflash2: taps of the convolution (in-block rows it reads)
-    conv_group_size: int = num(16, ge=1)  # dflash2: channels per delta group (must divide the hidden size)
-    selector_top_k: int = num(16, ge=1)  # dflash2: candidates per drafted position
-    selector_rank: int = num(256, ge=1)  # dflash2: rank R of the codebooks (vocab x R each)
-    output_multiplier: float = num(1.0, gt=0)  # dflash2: the selector's unary logits x this, then soft-capped
-    final_logit_softcapping: float = num(0.0, ge=0)  # dflash2: cap * tanh(z / cap); 0 = none
-    markov_rank: int = num(256, ge=1)  # dspark: rank r of the Markov bias W2 . W1[prev] (V x r each)
-    markov_head_type: str = one_of("vanilla", "vanilla")  # dspark: the bias as vLLM 0.32's Qwen3 DSpark serves it
-    enable_confidence_head: bool = True  # dspark: sigmoid(w . [h; W1[prev]] + b), an acceptance estimate per slot
-    confidence_head_with_markov: bool = False  # dspark: the confidence head also reads W1[prev]
-    gru_hidden_dim: int = num(1024, ge=1)  # domino: hidden size G of the GRU over the previous tokens
-    domino_emb_dim: int = num(256, ge=1)  # domino: width E of the delta's Linear(H + G, E) -> SiLU -> Linear(E, V)
 
 
 @dataclass
@@ -208,18 +194,6 @@ class ObjectiveConfig:
     # divided by the step's (or batch's) number of blocks instead of its weight sum. Hard labels only.
     position_weights: str = one_of("gamma", "gamma", "dpace")
     dpace_alpha: float = num(0.5, gt=0, le=1)  # D-PACE's confidence smoothing (1 - a) * q + a (the paper's 0.5)
-    # dflash2: weight alpha of the selector's K-way cross-entropy (models/variants/dflash2/loss.py) beside the unary
-    # loss (1.0: speculators' and SpecForge's default); selector_detach: none of its gradient into the backbone.
-    selector_weight: float = num(1.0, ge=0)
-    selector_detach: bool = False
-    # dspark: the terms of its loss (models/variants/dspark/loss.py): cross-entropy on the data token, the
-    # L1 distance to the target's distribution and the confidence head's BCE (the DSpark paper's 0.1 / 0.9 / 1).
-    dspark_ce_weight: float = num(0.1, ge=0)
-    dspark_l1_weight: float = num(0.9, ge=0)
-    dspark_confidence_weight: float = num(1.0, ge=0)
-    # domino: (1 - lambda) CE(final logits) + lambda CE(base logits), lambda falling linearly from 1 to 0
-    # over this share of the run's optimizer steps (models/variants/domino/loss.py; 1.0: the whole run).
-    domino_lambda_fraction: float = num(1.0, gt=0, le=1)
 
 
 @dataclass
@@ -298,6 +272,10 @@ class Config:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    # The drafter variant's options (model.draft.variant names it): given as a mapping, made the variant's
+    # typed options value (its `Options` dataclass, defaults filled) by the registry's rule when the config
+    # is validated, so a loaded config, its summary and its checkpoints carry every option's value.
+    variant: Any = field(default_factory=dict)
 
 
 def _error_key(exc: OmegaConfBaseException) -> str:
@@ -306,9 +284,10 @@ def _error_key(exc: OmegaConfBaseException) -> str:
 
 
 def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> Config:
-    """Schema <- YAML <- dotlist. Raises ConfigError naming the offending key or file."""
+    """Schema <- YAML <- dotlist. Raises ConfigError naming the offending key or file. A key a variant
+    renamed (`add_aliases`) is taken under its new name in the same layer, with a WARNING."""
     schema = OmegaConf.structured(Config)
-    layers = [schema]
+    layers, lifted = [schema], []
     if path:
         p = Path(path)
         if not p.is_file():
@@ -323,13 +302,110 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
     try:
         if overrides:
             layers.append(OmegaConf.from_dotlist(list(overrides)))
+        for i in range(1, len(layers)):
+            layers[i], used = _lift_aliases(OmegaConf.to_container(layers[i]))
+            lifted += used
         merged = OmegaConf.merge(*layers)
         cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
         msg = str(exc).splitlines()[0]
         raise ConfigError(f"config key '{_error_key(exc)}': {msg}") from exc
+    _check_lifted(lifted, cfg.model.draft.variant)
     validate(cfg)
     return cfg
+
+
+# Keys a variant renamed when its knobs became its `variant` section: old dotted key -> (the variant,
+# its option's name). The registry adds them (`add_aliases`), so config.py still names no variant.
+_ALIASES: dict[str, tuple[str, str]] = {}
+_WARNED: set[str] = set()
+
+
+def add_aliases(variant: str, keys: dict[str, str]) -> None:
+    """Take each old dotted key of `keys` as `variant.<its new name>` (variant `variant`'s option)."""
+    for old, new in keys.items():
+        _ALIASES[old] = (variant, new)
+
+
+def _pop(d: dict, dotted: str):
+    """Remove and return d's nested value at `dotted` (KeyError where there is none); empty parents go too."""
+    head, _, rest = dotted.partition(".")
+    if not rest:
+        return d.pop(head)
+    if not isinstance(d.get(head), dict):
+        raise KeyError(dotted)
+    value = _pop(d[head], rest)
+    if not d[head]:
+        del d[head]
+    return value
+
+
+def _lift_aliases(layer: dict) -> tuple[dict, list[tuple[str, str, str]]]:
+    """One config layer with its renamed keys moved to their `variant.` names; (old, variant, new) each."""
+    used = []
+    for old, (variant, new) in _ALIASES.items():
+        try:
+            value = _pop(layer, old)
+        except KeyError:
+            continue
+        section = layer.setdefault("variant", {})
+        if not isinstance(section, dict):
+            raise ConfigError(f"config key 'variant': a mapping of the variant's options, got {section!r}")
+        if new in section and section[new] != value:
+            raise ConfigError(f"config key '{old}': is 'variant.{new}' now, and both are given ({value!r}, "
+                              f"{section[new]!r}): give 'variant.{new}' only")
+        section[new] = value
+        used.append((old, variant, new))
+    return layer, used
+
+
+def _check_lifted(lifted: list[tuple[str, str, str]], variant: str) -> None:
+    """A renamed key is its variant's option: under another variant it is refused, naming both keys."""
+    for old, owner, new in lifted:
+        if owner != variant:
+            raise ConfigError(f"config key '{old}': an option of model.draft.variant={owner} (now 'variant.{new}'), "
+                              f"and model.draft.variant is {variant}")
+        if old not in _WARNED:
+            _WARNED.add(old)
+            log.warning("config key '%s' is 'variant.%s' now: taken as that (write the new key)", old, new)
+
+
+def upgrade_dict(d: dict) -> dict:
+    """A config dict written before the variants' options became the `variant` section (a checkpoint's,
+    a summary's), in today's form: the renamed keys of its own variant under `variant`, every other
+    variant's (a flat schema carried them all, at their defaults) dropped."""
+    d = copy.deepcopy(d)
+    own = (d.get("model", {}).get("draft") or {}).get("variant", "dflash")
+    for old, (variant, new) in _ALIASES.items():
+        try:
+            value = _pop(d, old)
+        except KeyError:
+            continue
+        if variant == own:
+            section = d.setdefault("variant", {})
+            section.setdefault(new, value)
+    return d
+
+
+def parse_section(node: type, data: Any, prefix: str, owner: str) -> Any:
+    """`data` (a mapping, or a dataclass value of any type) as the typed dataclass `node`, its defaults
+    filled, each value checked as the schema's are (type, `one_of`, `num`): a ConfigError names the key
+    `prefix.<field>`, and a key `node` does not have names what `owner` takes."""
+    if dataclasses.is_dataclass(data) and not isinstance(data, type):
+        data = dataclasses.asdict(data)
+    if not isinstance(data, dict):
+        raise ConfigError(f"config key '{prefix}': a mapping of {owner}'s options, got {data!r}")
+    names = [f.name for f in dataclasses.fields(node)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise ConfigError(f"config key '{prefix}.{unknown[0]}': not an option of {owner} (its options: "
+                          f"{', '.join(names) or 'none'})")
+    try:
+        value = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(node), data))
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"config key '{prefix}.{_error_key(exc)}': {str(exc).splitlines()[0]}") from exc
+    _check_values(value, node, prefix + ".")
+    return value
 
 
 def _get(cfg: Config, dotted: str) -> Any:
@@ -365,9 +441,13 @@ def choices(node: Any = Config, prefix: str = "") -> dict[str, tuple[str, ...]]:
     return out
 
 
-def _check_ranges(cfg: Config) -> None:
-    for key, rng in ranges().items():
-        v = _get(cfg, key)
+def _check_values(obj: Any, node: type, prefix: str = "") -> None:
+    """Each `one_of` key of `obj` (a `node` value) among its choices, each numeric key in its Range."""
+    for key, allowed in choices(node, prefix).items():
+        if _get(obj, key[len(prefix):]) not in allowed:
+            raise ConfigError(f"config key '{key}': {_get(obj, key[len(prefix):])!r} is not one of {allowed}")
+    for key, rng in ranges(node, prefix).items():
+        v = _get(obj, key[len(prefix):])
         if rng is not None and not rng.allows(v):
             raise ConfigError(f"config key '{key}': must be {rng}, got {v!r}")
 
@@ -391,10 +471,7 @@ def validate(cfg: Config) -> None:
     each numeric key against the range its schema field declares, then the rules that relate keys. The
     rule that a variant's loss weights train something is the variant's (`models.variants.check_objective`,
     which `train.main` runs right after this)."""
-    for key, allowed in choices().items():
-        if _get(cfg, key) not in allowed:
-            raise ConfigError(f"config key '{key}': {_get(cfg, key)!r} is not one of {allowed}")
-    _check_ranges(cfg)
+    _check_values(cfg, Config)
     if cfg.objective.labels == "target_soft" and cfg.model.target.kind == "tiny" \
             and cfg.objective.soft_top_k > cfg.model.target.vocab_size:
         raise ConfigError(f"config key 'objective.soft_top_k': {cfg.objective.soft_top_k} exceeds the target's "
@@ -471,4 +548,5 @@ def to_dict(cfg: Config) -> dict:
 
 
 def from_dict(d: dict) -> Config:
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), d))  # type: ignore[return-value]
+    """A config from its `to_dict` form (one written before the `variant` section too: `upgrade_dict`)."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), upgrade_dict(d)))  # type: ignore[return-value]

@@ -161,7 +161,7 @@ def _measure_and_predict(sc, reps: int, dev) -> dict:
     model = build_drafter(spec, target, cfg.model.draft.seed, dev, False)
     opt = torch.optim.AdamW(list(model.parameters()), lr=1e-4)
     dt = torch.bfloat16 if sc.bf16 else torch.float32
-    settings = replace(step_settings(cfg.objective, spec, torch.bfloat16 if sc.bf16 else None),
+    settings = replace(step_settings(cfg, spec, torch.bfloat16 if sc.bf16 else None),
                        anchor_chunk=sc.anchor_chunk, loss_rows=sc.loss_rows, batch_mean=True)
     feats, labels = capture_for_drafter(target, batch, layer_ids, cfg.objective, dt)
 

@@ -24,7 +24,7 @@ import torch
 
 from dflash_dist.bench.common import time_interleaved, timed
 from dflash_dist.bench.jobs import check_outputs, write_json
-from dflash_dist.config import ConfigError, ObjectiveConfig, ranged
+from dflash_dist.config import Config, ConfigError, ObjectiveConfig, ranged
 from dflash_dist.data.collate import PackedBatch
 from dflash_dist.models.drafter import DFlashDrafter, DraftSpec, anchor_seq_starts
 from dflash_dist.models.variants import variant_of
@@ -61,10 +61,11 @@ def check_shape(ap: argparse.ArgumentParser, args: argparse.Namespace, variants)
     --vocab); else argparse's exit 2 naming the flag, before any drafter is built or step timed. Each
     flag is tried alone on the reference shape, so the refusal names the one at fault."""
     for flag, field in (("--hidden", "hidden_size"), ("--vocab", "vocab_size")):
-        shape = replace(SPEC, **{field: getattr(args, flag[2:])})  # a spec has the draft's keys and the shape
+        shape = replace(SPEC, **{field: getattr(args, flag[2:])})  # the target's shape, as a spec has it
         for name in variants:
             try:
-                variant_of(name).check(shape, shape)
+                variant = variant_of(name)
+                variant.check(variant.Model(), shape)  # the variant's default options, as the bench times
             except ConfigError as exc:
                 ap.error(f"{flag} {getattr(args, flag[2:])}: {name} refuses this shape ({exc})")
     return replace(SPEC, vocab_size=args.vocab, hidden_size=args.hidden, mask_token_id=min(16, args.vocab - 1))
@@ -126,9 +127,9 @@ def breakdown(model: DFlashDrafter, data, feats, anchors, anchor_cu, reps: int, 
 
     def head_loss():
         h = hidden.clone().requires_grad_()
-        lm_head_loss(h, head, labels, weights, top_k=s.selector_top_k)[0].backward()
+        lm_head_loss(h, head, labels, weights, top_k=s.options.selector_top_k)[0].backward()
 
-    top = lm_head_loss(hidden, head, labels, weights, top_k=s.selector_top_k)[2]
+    top = lm_head_loss(hidden, head, labels, weights, top_k=s.options.selector_top_k)[2]
 
     def selector():
         h = hidden.clone().requires_grad_()
@@ -137,7 +138,7 @@ def breakdown(model: DFlashDrafter, data, feats, anchors, anchor_cu, reps: int, 
     flat = hidden[:, 1:].reshape(-1, s.hidden_size)
     return {"LM head + loss + top-K (fwd+bwd)": run(head_loss), "selector term (fwd+bwd)": run(selector),
             "  a head matmul over the drafted rows": run(lambda: flat @ head.T),
-            "  topk over the vocabulary": run(lambda z=flat @ head.T: z.topk(s.selector_top_k, dim=-1))}
+            "  topk over the vocabulary": run(lambda z=flat @ head.T: z.topk(s.options.selector_top_k, dim=-1))}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                                                  spec.vocab_size, args.seed)
 
     def step(model):
-        settings = step_settings(ObjectiveConfig(block_size=spec.block_size, gamma=GAMMA, loss_norm="batch"), model.spec)
+        settings = step_settings(Config(objective=ObjectiveConfig(block_size=spec.block_size, gamma=GAMMA, loss_norm="batch")),
+                                 model.spec)
 
         def go():
             model.zero_grad(set_to_none=True)
@@ -165,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     sec = time_interleaved({k: step(m) for k, m in drafters.items()}, args.reps, args.warmup, CPU)
     res = {"shape": {"seqs": args.seqs, "tokens": data.num_tokens, "anchors": int(anchors.numel()),
                      "hidden": spec.hidden_size, "vocab": spec.vocab_size, "block": spec.block_size,
-                     "top_k": spec.selector_top_k, "threads": torch.get_num_threads()},
+                     "top_k": drafters["dflash2"].spec.options.selector_top_k, "threads": torch.get_num_threads()},
            "step_s": sec, "ratio": sec["dflash2"] / sec["dflash"]}
     if not args.no_breakdown:
         res["dflash2_parts_s"] = breakdown(drafters["dflash2"], data, feats, anchors, anchor_cu, args.reps,

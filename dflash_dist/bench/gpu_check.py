@@ -313,7 +313,7 @@ def section_drafter(rep: Report, dry: bool, deadline: float) -> None:
             f"{cfg.model.draft.checkpoint_layers}")
 
     warm_block_attention(rep, dev, compute, t, B)
-    settings = replace(step_settings(o, spec, drafter_autocast(dev)), batch_mean=True)
+    settings = replace(step_settings(cfg, spec, drafter_autocast(dev)), batch_mean=True)
 
     for name, (lengths, supervised) in batches.items():
         measure_step(rep, name, cfg, dev, compute, model, spec, opt, settings, lengths, supervised,
@@ -344,7 +344,7 @@ def section_variants(rep: Report, dry: bool, deadline: float) -> None:
         params = sum(p.numel() for p in model.parameters())
         rep.add(f"{name} drafter", f"{params / 1e6:.1f} M params", f"{spec.family.title}, its defaults")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-        settings = replace(step_settings(cfg.objective, spec, drafter_autocast(dev)), batch_mean=True)
+        settings = replace(step_settings(cfg, spec, drafter_autocast(dev)), batch_mean=True)
         seconds[name] = measure_step(rep, name, cfg, dev, compute, model, spec, opt, settings, lengths, supervised,
                                      first_step=True)
         del model, opt

@@ -81,7 +81,7 @@ def check_drafter(rep, dry: bool, bad: list) -> None:
         g = torch.Generator(device=dev).manual_seed(2)
         feats = torch.randn(batch.num_tokens, 2 * SMALL["hidden_size"], device=dev, generator=g).to(dt)
         step_batch = StepBatch(batch, feats, None, anchors, anchor_cu)
-        settings = replace(step_settings(cfg.objective, model.spec, torch.bfloat16 if dt == torch.bfloat16 else None),
+        settings = replace(step_settings(cfg, model.spec, torch.bfloat16 if dt == torch.bfloat16 else None),
                            batch_mean=True)
         ref_loss, ref = drafter_step_on("ref", model, step_batch, settings)
         for path in paths:

@@ -110,7 +110,7 @@ def _rank(rank: int, world: int, store: str, dry: bool, job: tuple, out: str) ->
         torch.manual_seed(0)
         spec, model = reference_drafter(cfg, dev, compute)
         sharding = Replicas(model, dist.group.WORLD, dev)
-        settings = replace(step_settings(cfg.objective, spec, drafter_autocast(dev)), batch_mean=False)
+        settings = replace(step_settings(cfg, spec, drafter_autocast(dev)), batch_mean=False)
         data = packed_batch(lengths, supervised, spec.vocab_size, dev)
         anchors, anchor_cu = draw_anchors(data.loss_mask, data.cu_seqlens, cfg.objective.num_anchors,
                                           torch.Generator().manual_seed(1))

@@ -58,6 +58,7 @@ VARIANTS = {"dflash": [], "dflash+dpace": ["objective.position_weights=dpace"],
             "dspark": ["model.draft.variant=dspark"], "domino": ["model.draft.variant=domino"],
             "dflash+full": ["objective.labels=target_full"]}
 SHOWN_SLOTS = (1, 2, 3, 4, 8)
+RECALL_TOP_K = 16
 
 
 def subset(ds, lo: int, hi: int) -> TokenDataset:
@@ -146,7 +147,7 @@ def train(cfg, target, ds, feats, epochs: int) -> dict:
     model = build_drafter(spec, target, cfg.model.draft.seed, torch.device("cpu"))
     o = cfg.objective
     # One batch per optimizer step: the batch's own mean is the step's (objective.loss_norm alike).
-    settings = dataclasses.replace(step_settings(o, spec), batch_mean=True)
+    settings = dataclasses.replace(step_settings(cfg, spec), batch_mean=True)
     plans = [plan_for_epoch(ds, cfg, e) for e in range(epochs)]
     total = sum(len(p) for p in plans)
     state = TrainState.create(model, cfg, total)
@@ -179,7 +180,8 @@ def acceptance(model, ds, feats, base: int, num_anchors: int, seed: int, width: 
     d from the anchor (index d: the token at anchor + d), whichever slot drafts it (DFlash's slot d, an
     anchor-as-first variant's slot d - 1), so the variants' columns compare; index 0 is unused (0)."""
     B, v = model.spec.block_size, model.spec.family
-    D, K = v.drafts(B), model.spec.selector_top_k
+    # the recall's K: a DFlash 2 drafter's candidates, else DFlash 2's default (16), so the columns compare
+    D, K = v.drafts(B), getattr(model.spec.options, "selector_top_k", RECALL_TOP_K)
     first = 0 if v.anchor_drafts else 1  # the first drafting slot; slots first .. first + D - 1 draft
     hits, in_top, valid, runs = torch.zeros(D + 1), torch.zeros(D + 1), torch.zeros(D + 1), []
     model.eval()
@@ -242,9 +244,10 @@ def parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     try:  # before any capture or training: a bad path or key is bad input (exit 2), not a late traceback
         if a.json:
             check_output_path(a.json, "--json", make_parents=True)
-        a.base_cfg = load_config(a.config, a.overrides)
+        names = a.variants.split(",")
+        a.base_cfg = load_config(a.config, own_overrides(p, a.overrides, [], names))
         # every variant's config now, so that a key one of them refuses stops no run half done
-        a.cfgs = {v: load_config(a.config, [*a.overrides, *VARIANTS[v]]) for v in a.variants.split(",")}
+        a.cfgs = {v: load_config(a.config, own_overrides(p, a.overrides, VARIANTS[v], names)) for v in names}
         a.ds = open_dataset(Path(a.data))
     except (ValueError, OSError) as exc:  # ConfigError, OutputPathError, DatasetError are ValueErrors
         p.error(str(exc))
@@ -255,6 +258,25 @@ def parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     if any(n > pool for n in a.sizes):
         p.error(f"--sizes {a.sizes}: each must be in [1, {pool}] (the samples before the held-out {a.heldout})")
     return p, a
+
+
+def own_overrides(p: argparse.ArgumentParser, overrides: list[str], variant: list[str], names: list[str]) -> list[str]:
+    """The overrides one compared variant's config takes: every key but a variant option (`variant.K`) its
+    variant lacks, so `variant.markov_rank=16` shapes DSpark and leaves DFlash alone. An option no
+    compared variant has is exit 2 naming it."""
+    def options(keys: list[str]) -> set[str]:
+        name = next((k.split("=", 1)[1] for k in keys if k.startswith("model.draft.variant=")), "dflash")
+        return {f.name for f in dataclasses.fields(variant_of(name).Options)}
+
+    own, every = options(variant), set().union(*(options(VARIANTS[n]) for n in names))
+    out = []
+    for item in overrides:
+        key = item.split("=", 1)[0]
+        if key.startswith("variant.") and key.removeprefix("variant.") not in every:
+            p.error(f"{key}: an option of none of --variants {','.join(names)}")
+        if not key.startswith("variant.") or key.removeprefix("variant.") in own:
+            out.append(item)
+    return [*out, *variant]
 
 
 def print_table(rows: list[dict], a, data: Path) -> None:

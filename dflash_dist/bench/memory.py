@@ -225,7 +225,7 @@ def _validate_drafter(sc: Scaled, cfg: Config, worst: M.BatchShape, target, spec
     opt.step()
     opt.zero_grad(set_to_none=True)
     state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    settings = replace(step_settings(cfg.objective, spec, torch.bfloat16 if sc.bf16 else None),
+    settings = replace(step_settings(cfg, spec, torch.bfloat16 if sc.bf16 else None),
                        loss_rows=sc.loss_rows, batch_mean=True)
 
     def step(chunk: int):

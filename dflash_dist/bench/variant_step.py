@@ -22,7 +22,7 @@ import torch
 from dflash_dist.bench.common import time_interleaved
 from dflash_dist.bench.dflash2_step import add_shape_args, check_shape, make_batch, tied_head
 from dflash_dist.bench.jobs import check_outputs, write_json
-from dflash_dist.config import ObjectiveConfig
+from dflash_dist.config import Config, ObjectiveConfig
 from dflash_dist.models.drafter import DFlashDrafter
 from dflash_dist.models.variants import RunProgress
 from dflash_dist.parallel.transport import sends_final_hidden
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             backbone = model.state_dict()
         model.load_state_dict(backbone, strict=False)  # the same backbone; a variant's own modules stay
         objective = ObjectiveConfig(block_size=B, num_anchors=args.num_anchors, labels=labels)
-        settings = replace(step_settings(objective, model.spec), batch_mean=True)
+        settings = replace(step_settings(Config(objective=objective), model.spec), batch_mean=True)
         width = (len(spec.target_layer_ids) + sends_final_hidden(labels, model.variant.needs.final_hidden)) * H
         batch = StepBatch(data, feats[:, :width], None, anchors, anchor_cu, RunProgress(50, 100))
 

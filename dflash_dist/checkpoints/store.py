@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from dflash_dist.checkpoints import lineage
-from dflash_dist.config import Config, ConfigError, to_dict
+from dflash_dist.config import Config, ConfigError, to_dict, upgrade_dict
 from dflash_dist.io.files import TMP_TAG, AtomicDir, file_sha256, json_safe
 from dflash_dist.io.write_errors import write_error
 from dflash_dist.plan.schedule import Cursor
@@ -47,7 +47,7 @@ TMP, TRASH = ".tmp", ".trash"  # suffixes of a save in progress and of a prune i
 _NAME = re.compile(r"step-\d+")
 
 # Config sections/keys that change what is trained: a checkpoint that disagrees on any is refused...
-TRAINING_KEYS = ("model", "objective", "plan", "data", "optim", "train.seed", "train.epochs")
+TRAINING_KEYS = ("model", "variant", "objective", "plan", "data", "optim", "train.seed", "train.epochs")
 # ... except these, which change only the plan of the epochs still to come: allowed at an epoch boundary.
 PLAN_KEYS = ("train.seed", "plan", "data", "objective.num_anchors")
 # How the same computation is loaded, split or scheduled, not what it computes.
@@ -309,8 +309,9 @@ def _under(key: str, prefixes: tuple[str, ...]) -> bool:
 
 def _differences(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
     """A key the checkpoint's config lacks was added to the schema after it was written: it counts as the
-    key's default (a new key's default keeps the old behaviour), so adding a key orphans no checkpoint."""
-    a, b = {**_flatten(to_dict(Config())), **_flatten(saved)}, _flatten(current)
+    key's default (a new key's default keeps the old behaviour), so adding a key orphans no checkpoint; a
+    config written before the `variant` section is read in today's form (`config.upgrade_dict`)."""
+    a, b = {**_flatten(to_dict(Config())), **_flatten(upgrade_dict(saved))}, _flatten(current)
     return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
             if _under(k, TRAINING_KEYS) and not _under(k, NOT_TRAINING) and a.get(k) != b.get(k)]
 

@@ -175,10 +175,30 @@ def run_vllm(args, cfg, sets) -> dict:
                   max_new_tokens=args.max_new_tokens, thinking=args.thinking, draft=str(args.draft))
 
 
+def export_variant(args) -> list[str]:
+    """`model.draft.variant=<the export's>` where neither --config nor the overrides name a variant: the
+    config's `variant` section is then the export's variant's options (`variant.gru_hidden_dim=16` on a
+    Domino export is read as Domino's, and `check_config_agrees` names it if it contradicts the export)."""
+    from omegaconf import OmegaConf
+
+    from dflash_dist.evaluation.loading import read_export_config
+    from dflash_dist.models.variants import variant_of_export
+    named = any(o.split("=", 1)[0].lstrip("+~") == "model.draft.variant" for o in args.overrides or [])
+    if not named and args.config:
+        try:
+            named = OmegaConf.select(OmegaConf.load(args.config), "model.draft.variant") is not None
+        except Exception:  # a missing or broken file: load_config names it
+            return []
+    if named:
+        return []
+    return [f"model.draft.variant={variant_of_export(read_export_config(args.draft)).name}"]
+
+
 def evaluate(args, rank: int, world: int, device: torch.device) -> dict | None:
     from dflash_dist.config import load_config
+    from dflash_dist.models import variants  # noqa: F401  the variants' config rules and renamed keys, before loading
     check_flags(args)
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, [*export_variant(args), *args.overrides])
     sets = prompt_sets(args, cfg)
     if args.engine == "vllm":
         if world > 1:

@@ -1,6 +1,7 @@
 """The export and the target it is evaluated against, with every defect named by file (exit 2)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -104,17 +105,21 @@ def check_config_agrees(export: dict, cfg, overrides: list[str], draft_dir) -> N
     the figures taken for a drafter other than the one the user named (a variant, a block size)."""
     from dflash_dist.config import load_config
     from dflash_dist.models.export import spec_from_export
-    from dflash_dist.models.variants import variant_of_export
     spec, default = spec_from_export(export), load_config()
-    keys = dict(_SPEC_KEYS, **{f"model.draft.{f}": f for f in variant_of_export(export).spec_fields(export)
-                               if f != "variant"})
     named = {item.split("=", 1)[0].lstrip("+~") for item in overrides or []}
     bad = []
-    for key, field in keys.items():
+    for key, field in _SPEC_KEYS.items():
         mine, theirs = _get(cfg, key), getattr(spec, field)
         explicit = key in named or mine != _get(default, key)
         if explicit and mine not in _UNSET and _as_list(mine) != _as_list(theirs):
             bad.append(f"{key}={mine} (the export's {theirs})")
+    if cfg.model.draft.variant == spec.variant:  # the config's `variant` section holds this variant's options
+        defaults = spec.family.Options()
+        for f in dataclasses.fields(spec.options):
+            mine, theirs = getattr(cfg.variant, f.name), getattr(spec.options, f.name)
+            explicit = f"variant.{f.name}" in named or mine != getattr(defaults, f.name)
+            if explicit and mine != theirs:
+                bad.append(f"variant.{f.name}={mine} (the export's {theirs})")
     if bad:
         raise EvalInputError(f"--draft {draft_dir}: the export fixes the drafter, and these settings contradict it: "
                              f"{', '.join(bad)}; drop them (the export's values are used) or pass the export "

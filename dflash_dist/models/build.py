@@ -1,14 +1,12 @@
 """Build the frozen target and the drafter's spec from the config, with the checks that need the target."""
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from dflash_dist.config import Config, ConfigError, default_target_layer_ids
 from dflash_dist.models.drafter import DFlashDrafter, DraftSpec
 from dflash_dist.models.qwen3 import TinyQwen3
-from dflash_dist.models.variants import check_objective, variant_of
+from dflash_dist.models.variants import check_objective, options_of, variant_of
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -66,7 +64,9 @@ def draft_spec(cfg: Config, target) -> DraftSpec:
     kv = d.num_kv_heads or target.num_kv_heads
     if heads % kv:
         raise ConfigError(f"config key 'model.draft.num_kv_heads': {kv} does not divide num_heads {heads}")
-    variant_of(d.variant).check(d, target)
+    variant = variant_of(d.variant)
+    options = variant.model_options(options_of(cfg))
+    variant.check(options, target)
     backbone = dict(
         vocab_size=target.vocab_size, hidden_size=target.hidden_size,
         intermediate_size=d.intermediate_size or target.intermediate_size, num_layers=d.num_layers,
@@ -74,10 +74,7 @@ def draft_spec(cfg: Config, target) -> DraftSpec:
         rope_theta=target.rope_theta, rms_eps=target.rms_eps, block_size=cfg.objective.block_size,
         mask_token_id=mask, target_layer_ids=tuple(ids), num_target_layers=L,
         max_position_embeddings=target.max_position_embeddings, variant=d.variant)
-    # The variants' fields, copied by name from model.draft (no list here to extend per variant)
-    own = {f.name: getattr(d, f.name) for f in dataclasses.fields(DraftSpec)
-           if f.name not in backbone and hasattr(d, f.name)}
-    return DraftSpec(**backbone, **own)
+    return DraftSpec(**backbone, options=options)
 
 
 def build_drafter(spec: DraftSpec, target, seed: int, device: torch.device,

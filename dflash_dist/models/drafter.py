@@ -9,6 +9,7 @@ this module's parameters so that the drafter's state dict is exactly what the z-
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,20 +41,19 @@ class DraftSpec:
     max_position_embeddings: int = 40960
     # A name of models/variants' registry: `dflash`, `dflash2` (the grouped convolution and the selector),
     # `dspark` (anchor-as-first blocks, the Markov bias and the confidence head), `domino` (anchor-as-first
-    # blocks, the GRU logit delta).
+    # blocks, the GRU logit delta), or one registered from outside.
     variant: str = "dflash"
-    conv_kernel_size: int = 2
-    conv_group_size: int = 16
-    selector_top_k: int = 16
-    selector_rank: int = 256
-    output_multiplier: float = 1.0  # the selector's unary scores: logits x this, then soft-capped
-    final_logit_softcapping: float = 0.0  # 0: no cap
-    markov_rank: int = 256  # dspark: the rank of W1 (V x r) and W2 (V x r)
-    markov_head_type: str = "vanilla"
-    enable_confidence_head: bool = True
-    confidence_head_with_markov: bool = False
-    gru_hidden_dim: int = 1024  # domino: the GRU's hidden size G
-    domino_emb_dim: int = 256  # domino: the delta MLP's width E (exported as emb_dim)
+    # The variant's options that fix the drafter: its `Model` value (models/variants/<name>/options.py), read
+    # by its modules and written by its export; None: its defaults.
+    options: Any = None
+
+    def __post_init__(self) -> None:
+        family = self.family
+        if self.options is None:
+            object.__setattr__(self, "options", family.Model())
+        elif type(self.options) is not family.Model:
+            # its Options (with the loss knobs), or another variant's value (`replace(spec, variant=...)`)
+            object.__setattr__(self, "options", family.model_options(self.options))
 
     @property
     def family(self) -> Variant:

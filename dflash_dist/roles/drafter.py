@@ -158,7 +158,7 @@ class Drafter:
         self.state.cursor = run.cursor
         self.packets = packet_spec(cfg, run.spec, self.device)
         pool = RecvPool() if self.device.type == "cpu" else None  # CUDA: the caching allocator is one
-        self.settings = step_settings(cfg.objective, run.spec, drafter_autocast(self.device))
+        self.settings = step_settings(cfg, run.spec, drafter_autocast(self.device))
         self.clock = device_clock(self.device)
         self.wait_s = self.compute_s = 0.0
         local = LocalTarget(run.target, run.dataset, tuple(run.spec.target_layer_ids), cfg.objective,

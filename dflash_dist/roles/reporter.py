@@ -206,7 +206,7 @@ class Reporter(NullReporter):
                           **s.head_figures(),
                           # the step's place in a variant's schedule (Domino's lambda): t.steps counts it already
                           **self.variant.step_figures(self.state.progress(t.steps - 1),
-                                                      self.run.cfg.objective)},
+                                                      self.run.cfg.variant)},
                          console=False, remote=False)
 
     def epoch_end(self, sched: EpochSchedule, seconds: float) -> None:

@@ -31,10 +31,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from dflash_dist.config import Config, ObjectiveConfig
+from dflash_dist.config import Config
 from dflash_dist.data.collate import PackedBatch
 from dflash_dist.models.drafter import DFlashDrafter, DraftSpec, anchor_seq_starts
-from dflash_dist.models.variants import LossChunk, RunProgress
+from dflash_dist.models.variants import LossChunk, RunProgress, options_for
 from dflash_dist.parallel.sharding import DrafterSharding, total_norm
 from dflash_dist.parallel.transport import TargetLabels
 from dflash_dist.training.objective import (
@@ -63,7 +63,7 @@ class StepSettings:
     batch_mean: bool  # divide by the batch's own weight sum (objective.loss_norm=batch); else the caller does
     dpace_alpha: float | None  # D-PACE's smoothing (objective.position_weights=dpace), None: the gamma decay
     autocast_dtype: torch.dtype | None  # the draft layers' compute dtype under autocast (bf16 on CUDA)
-    variant_options: Any  # the variant's own (`Variant.options`: DFlash 2's selector weight and detach)
+    variant_options: Any  # the variant's Options value (models/variants/<name>/options.py), its loss knobs among them
     # objective.labels=target_full: (KL weight, L1 weight) of the loss against the target's whole
     # distribution (`objective.FullTarget`); None: the labels' hard or top-k cross-entropy.
     full: tuple[float, float] | None = None
@@ -79,9 +79,11 @@ def drafter_autocast(device: torch.device) -> torch.dtype | None:
     return torch.bfloat16 if device.type == "cuda" else None
 
 
-def step_settings(objective: ObjectiveConfig, spec: DraftSpec, autocast_dtype: torch.dtype | None = None) -> StepSettings:
-    """The one constructor of step settings (the run's, its dummy step's and every benchmark's);
+def step_settings(cfg: Config, spec: DraftSpec, autocast_dtype: torch.dtype | None = None) -> StepSettings:
+    """The one constructor of step settings (the run's, its dummy step's and every benchmark's), from the
+    config's objective and the built spec's variant's options (the config's `variant` section);
     `autocast_dtype`: `drafter_autocast(device)` in a run, a benchmark's own choice otherwise."""
+    objective = cfg.objective
     if objective.block_size != spec.block_size:
         raise ValueError(f"objective.block_size {objective.block_size} differs from the built spec's {spec.block_size}")
     dpace = objective.position_weights == "dpace"
@@ -95,7 +97,7 @@ def step_settings(objective: ObjectiveConfig, spec: DraftSpec, autocast_dtype: t
         loss_rows=objective.loss_rows, batch_mean=objective.loss_norm != "step",
         dpace_alpha=objective.dpace_alpha if dpace else None,
         autocast_dtype=autocast_dtype,
-        variant_options=spec.family.options(objective),
+        variant_options=options_for(spec.family, cfg.variant),
         full=(objective.distill_kl_weight, objective.distill_l1_weight) if full else None)
 
 

@@ -69,7 +69,7 @@ def test_packet_with_target_labels_round_trips():
     assert results["sender"] == [3, 3, 4, 3]  # the data path stays three tensors; soft adds the values
 
 
-DOMINO = ["model.draft.variant=domino", "model.draft.gru_hidden_dim=32", "model.draft.domino_emb_dim=16"]
+DOMINO = ["model.draft.variant=domino", "variant.gru_hidden_dim=32", "variant.emb_dim=16"]
 
 
 @pytest.mark.slow

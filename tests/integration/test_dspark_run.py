@@ -8,7 +8,7 @@ from helpers import torchrun
 
 pytestmark = pytest.mark.slow  # a whole run under torchrun
 
-JOB = ["model.draft.variant=dspark", "model.draft.markov_rank=32", "roles.drafters_per_node=2", "train.epochs=2",
+JOB = ["model.draft.variant=dspark", "variant.markov_rank=32", "roles.drafters_per_node=2", "train.epochs=2",
        "objective.anchor_chunk=3", "objective.loss_rows=40", "train.eval_prompts=4", "train.eval_new_tokens=24"]
 
 

@@ -8,12 +8,12 @@ import signal
 import pytest
 from helpers import interrupt, metrics, torchrun
 
-from dflash_dist.config import ObjectiveConfig
+from dflash_dist.models.variants.domino.options import DominoOptions
 from dflash_dist.models.variants.domino_loss import domino_lambda
 
 pytestmark = pytest.mark.slow  # whole runs under torchrun
 
-JOB = ["model.draft.variant=domino", "model.draft.gru_hidden_dim=32", "model.draft.domino_emb_dim=16",
+JOB = ["model.draft.variant=domino", "variant.gru_hidden_dim=32", "variant.emb_dim=16",
        "roles.drafters_per_node=2", "train.epochs=2", "objective.anchor_chunk=3", "objective.loss_rows=40",
        "train.eval_prompts=4", "train.eval_new_tokens=24"]
 
@@ -35,6 +35,6 @@ def test_a_resume_on_another_layout_continues_the_lambda_schedule(tmp_path):
     steps = [r for r in metrics(tmp_path) if r.get("kind") == "step"]
     assert [r["step"] for r in steps] == list(range(1, len(steps) + 1))
     lam = [r["domino_lambda"] for r in steps]
-    fraction = ObjectiveConfig().domino_lambda_fraction
+    fraction = DominoOptions().lambda_fraction
     assert lam[s0] == pytest.approx(domino_lambda(s0, total, fraction))  # step s0 + 1: the record after s0
     assert all(a >= b for a, b in zip(lam, lam[1:])), lam

@@ -136,10 +136,10 @@ def test_an_eval_bench_prompt_over_the_targets_context_is_exit_2_on_every_rank_b
 
 
 @pytest.mark.parametrize("overrides, keys", [
-    (["objective.dspark_ce_weight=0", "objective.dspark_l1_weight=0", "objective.dspark_confidence_weight=0"],
-     ["objective.dspark_ce_weight", "objective.dspark_l1_weight", "objective.dspark_confidence_weight"]),
-    (["model.draft.enable_confidence_head=false", "objective.dspark_ce_weight=0", "objective.dspark_l1_weight=0"],
-     ["objective.dspark_ce_weight", "objective.dspark_l1_weight"]),
+    (["variant.ce_weight=0", "variant.l1_weight=0", "variant.confidence_weight=0"],
+     ["variant.ce_weight", "variant.l1_weight", "variant.confidence_weight"]),
+    (["variant.enable_confidence_head=false", "variant.ce_weight=0", "variant.l1_weight=0"],
+     ["variant.ce_weight", "variant.l1_weight"]),
 ])
 def test_a_dspark_loss_that_trains_nothing_is_exit_2_before_any_group_forms(tmp_path, overrides, keys):
     """Issue 46, case 1: it was exit 0 with loss 0 at every step, a checkpoint and an export."""

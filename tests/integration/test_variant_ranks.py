@@ -13,7 +13,7 @@ import torch.distributed as dist
 from drafter_batches import make_batch, merged
 from variant_models import NAMES, feat_dim, make_model, tiny_spec
 
-from dflash_dist.config import ObjectiveConfig
+from dflash_dist.config import Config, ObjectiveConfig
 from dflash_dist.models.variants import RunProgress
 from dflash_dist.parallel.sharding import make_sharding
 from dflash_dist.training.stats import StepStats
@@ -33,7 +33,7 @@ def batch_of(spec, i: int):
 def settings(spec, *, batch_mean: bool):
     o = ObjectiveConfig(block_size=spec.block_size, gamma=3.0, anchor_chunk=2,
                         loss_norm="batch" if batch_mean else "step")
-    return step_settings(o, spec)
+    return step_settings(Config(objective=o), spec)
 
 
 def step_batch(batch) -> StepBatch:

@@ -30,9 +30,9 @@ JOB = ["roles.drafters_per_node=2", "train.epochs=2", "objective.anchor_chunk=3"
        "train.eval_new_tokens=24"]
 # A variant's keys for a run at the tiny shape (its defaults are sized for real targets); DFlash 2 runs
 # its drafters as FSDP2 shards, so one variant's extra modules are checkpointed and resumed sharded.
-RUN_OPTIONS = {"dflash2": ["model.draft.selector_rank=32", "roles.drafter_sharding=fsdp"],
-               "dspark": ["model.draft.markov_rank=32", "objective.loss_rows=40"],
-               "domino": ["model.draft.gru_hidden_dim=32", "model.draft.domino_emb_dim=16", "objective.loss_rows=40"]}
+RUN_OPTIONS = {"dflash2": ["variant.selector_rank=32", "roles.drafter_sharding=fsdp"],
+               "dspark": ["variant.markov_rank=32", "objective.loss_rows=40"],
+               "domino": ["variant.gru_hidden_dim=32", "variant.emb_dim=16", "objective.loss_rows=40"]}
 # The unary head's figures a variant's step records carry beside its drafts' (StepStats.head_figures).
 HEAD_FIGURES = {"dflash2": {"unary_acc", "unary_accept_len", "topk_recall", "selector_loss"},
                 "domino": {"unary_acc", "unary_accept_len"}}

@@ -239,12 +239,19 @@ def _set_immutable(path, on: bool) -> None:
 def tiny_spec(**overrides):
     """The tests' tiny drafter: vocabulary 48, hidden 32, 2 layers of 4 query and 2 key/value heads of 8,
     blocks of 4, the last id as the mask token, features of target layers 0 and 1 of 3. `overrides` are
-    DraftSpec fields (a DFlash 2 variant's too); the mask token follows a vocabulary given."""
+    DraftSpec fields, or the variant's `Model` options by name (DSpark's markov_rank=6); the mask token
+    follows a vocabulary given."""
+    import dataclasses
+
     from dflash_dist.models.drafter import DraftSpec
+    from dflash_dist.models.variants import variant_of
+    names = {f.name for f in dataclasses.fields(DraftSpec)}
+    options = {k: overrides.pop(k) for k in list(overrides) if k not in names}
     shape = dict(vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                  head_dim=8, rope_theta=10000.0, rms_eps=1e-6, block_size=4, target_layer_ids=(0, 1),
                  num_target_layers=3) | overrides
-    return DraftSpec(**{"mask_token_id": shape["vocab_size"] - 1, **shape})
+    model = variant_of(shape.get("variant", "dflash")).Model(**options)
+    return DraftSpec(**{"mask_token_id": shape["vocab_size"] - 1, **shape, "options": model})
 
 
 # SmolLM2-135M-Instruct's shape (its config.json on the Hub): hidden 576, 30 layers, 9 heads of 64, 3 KV heads.
@@ -260,15 +267,25 @@ def smol_shape(tmp_path) -> list[str]:
     return ["model.target.kind=hf", f"model.target.path={tmp_path / 'smol'}"]
 
 
+def config_of(**keys):
+    """A `Config` of these keys by name: `objective`'s, the others the variant's options (its `variant`
+    section: Domino's lambda_fraction=0.5), as the tests' direct step calls build one."""
+    import dataclasses
+
+    from dflash_dist.config import Config, ObjectiveConfig
+    names = {f.name for f in dataclasses.fields(ObjectiveConfig)}
+    options = {k: keys.pop(k) for k in list(keys) if k not in names}
+    return Config(objective=ObjectiveConfig(**keys), variant=options)
+
+
 def settings_of(model, *, batch_mean=True, dpace_alpha=None, **objective):
-    """The `StepSettings` `step_settings` builds (as every caller does) from an ObjectiveConfig of these
-    keys: `batch_mean` is `loss_norm=batch`, `dpace_alpha` D-PACE's."""
-    from dflash_dist.config import ObjectiveConfig
+    """The `StepSettings` `step_settings` builds (as every caller does) from a config of these keys:
+    `objective`'s (`batch_mean` is `loss_norm=batch`, `dpace_alpha` D-PACE's), the others the variant's
+    options (the config's `variant` section: Domino's lambda_fraction=0.5)."""
     from dflash_dist.training.step import step_settings
     dpace = {} if dpace_alpha is None else {"position_weights": "dpace", "dpace_alpha": dpace_alpha}
-    o = ObjectiveConfig(block_size=model.spec.block_size, loss_norm="batch" if batch_mean else "step",
-                        **dpace, **objective)
-    return step_settings(o, model.spec)
+    return step_settings(config_of(block_size=model.spec.block_size, loss_norm="batch" if batch_mean else "step",
+                                   **dpace, **objective), model.spec)
 
 
 def train_step(model, data, feats, target, anchors, anchor_cu, *, scale=1.0, sharding=None, **objective):

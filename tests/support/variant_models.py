@@ -13,15 +13,15 @@ from dflash_dist.models.variants import VARIANTS
 
 NAMES = sorted(VARIANTS)
 
-# DraftSpec fields that shrink a variant's modules to the tiny spec (hidden 32, vocabulary 48).
+# The variant options (its `Model` fields) that shrink a variant's modules to the tiny spec (hidden 32, vocabulary 48).
 TINY_OPTIONS = {"dflash2": dict(conv_group_size=8, selector_top_k=5, selector_rank=8),
                 "dspark": dict(markov_rank=6, confidence_head_with_markov=True),
-                "domino": dict(gru_hidden_dim=10, domino_emb_dim=6)}
+                "domino": dict(gru_hidden_dim=10, emb_dim=6)}
 
 # The same as config keys, for runs and for the forecasts (which read a loaded config).
-CONFIG_OPTIONS = {"dflash2": ["model.draft.selector_rank=16"],
-                  "dspark": ["model.draft.markov_rank=8"],
-                  "domino": ["model.draft.gru_hidden_dim=12", "model.draft.domino_emb_dim=8"]}
+CONFIG_OPTIONS = {"dflash2": ["variant.selector_rank=16"],
+                  "dspark": ["variant.markov_rank=8"],
+                  "domino": ["variant.gru_hidden_dim=12", "variant.emb_dim=8"]}
 
 
 def tiny_spec(name: str):

@@ -90,7 +90,7 @@ def test_pair_scores_equal_vllms_score_edges():
     sel = DFlashDrafter(s).candidate_selector
     with torch.no_grad():
         sel.successor_codebook.normal_()
-    N, S, K = 5, s.block_size - 1, s.selector_top_k
+    N, S, K = 5, s.block_size - 1, s.options.selector_top_k
     cand = torch.stack([torch.randperm(V)[:K] for _ in range(N * S)]).view(N, S, K)
     unary, hidden, anchors = torch.randn(N, S, K), torch.randn(N, S, H), torch.randint(0, V, (N,))
     want = qwen3_dflash2._score_edges(sel.predecessor_codebook, sel.successor_codebook, cand, unary,
@@ -114,7 +114,7 @@ def test_candidates_equal_vllms_top_k_processing(multiplier, cap):
     head = types.SimpleNamespace(weight=lm_head.weight, tp_size=1,
                                  quant_method=types.SimpleNamespace(apply=lambda layer, x, bias=None: x @ layer.weight.T),
                                  shard_indices=types.SimpleNamespace(num_org_vocab_padding=0, org_vocab_start_index=0))
-    want_ids, want_values = processor.get_top_k_tokens(head, hidden, s.selector_top_k)
+    want_ids, want_values = processor.get_top_k_tokens(head, hidden, s.options.selector_top_k)
     ids, values = drafter.unary_candidates(hidden, rows=7)
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(values, want_values, rtol=1e-6, atol=1e-6)

@@ -40,8 +40,8 @@ def served(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("dspark_vllm")
     model_dir = save_target(root / "target")
     cfg = load_config(overrides=target_overrides(model_dir) + [
-        "model.draft.variant=dspark", f"model.draft.markov_rank={RANK}",
-        f"model.draft.confidence_head_with_markov={str(request.param).lower()}"])
+        "model.draft.variant=dspark", f"variant.markov_rank={RANK}",
+        f"variant.confidence_head_with_markov={str(request.param).lower()}"])
     target = build_target(cfg, torch.device("cpu"))
     spec = draft_spec(cfg, target)
     drafter = build_drafter(spec, target, seed=0, device=torch.device("cpu"))

@@ -65,7 +65,7 @@ def test_every_family_variant_learns_on_the_same_batches_and_is_read_by_distance
     variants = ["dflash", "dspark", "domino", "dflash+full"]
     learning.main(["--config", "", "--data", str(data), "--heldout", "20", "--sizes", "100", "--epochs", "6",
                    "--variants", ",".join(variants), "--eval-anchors", "12", "--json", str(out), *TINY,
-                   "model.draft.markov_rank=16", "model.draft.gru_hidden_dim=32", "model.draft.domino_emb_dim=16",
+                   "variant.markov_rank=16", "variant.gru_hidden_dim=32", "variant.emb_dim=16",
                    f"data.cache_dir={tmp_path / 'cache'}"])
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
     assert list(rows) == variants

@@ -59,8 +59,8 @@ def test_a_json_path_that_cannot_be_written_exits_2_naming_the_flag(tmp_path, da
 def test_a_key_one_variant_refuses_exits_2_before_the_first_variant_trains(data, no_work, capsys):
     with pytest.raises(SystemExit) as exc:
         learning.main(["--config", "", "--data", str(data), "--heldout", "4", "--variants", "dflash,dflash2",
-                       *TINY, "model.draft.conv_kernel_size=9"])
-    assert exc.value.code == 2 and "model.draft.conv_kernel_size" in capsys.readouterr().err
+                       *TINY, "variant.conv_kernel_size=9"])
+    assert exc.value.code == 2 and "variant.conv_kernel_size" in capsys.readouterr().err
 
 
 @pytest.fixture
@@ -71,16 +71,16 @@ def no_capture(monkeypatch):
 
 
 @pytest.mark.parametrize("variants, key, value", [
-    ("dflash,dflash2", "model.draft.conv_group_size", "48"),  # does not divide the target's hidden 64
-    ("dflash,dflash2", "model.draft.selector_top_k", str(VOCAB + 1)),  # above the target's vocabulary
+    ("dflash,dflash2", "variant.conv_group_size", "48"),  # does not divide the target's hidden 64
+    ("dflash,dflash2", "variant.selector_top_k", str(VOCAB + 1)),  # above the target's vocabulary
     ("dflash", "model.draft.target_layer_ids", "[1,14,27]"),  # outside the 6-layer target
-    ("dflash,dspark", "objective.dspark_ce_weight", "0"),  # with the other two 0: nothing trained
+    ("dflash,dspark", "variant.ce_weight", "0"),  # with the other two 0: nothing trained
 ])
 def test_a_key_checked_against_the_target_exits_2_before_any_capture(data, no_capture, capsys, variants, key,
                                                                       value):
     """Issue 46, cases 2 and 3 (and 1): training's own checks against the target, for every variant,
     before the features are captured (not a traceback after the first variant trained)."""
-    extra = ["objective.dspark_l1_weight=0", "objective.dspark_confidence_weight=0"] if "dspark" in key else []
+    extra = ["variant.l1_weight=0", "variant.confidence_weight=0"] if "dspark" in variants else []
     with pytest.raises(SystemExit) as exc:
         learning.main(["--config", "", "--data", str(data), "--heldout", "4", "--variants", variants,
                        *TINY, f"{key}={value}", *extra])

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_dist.config import ConfigError, ObjectiveConfig, choices, load_config
+from dflash_dist.config import Config, ConfigError, ObjectiveConfig, choices, load_config
 from dflash_dist.data.anchors import anchor_candidates, anchors_per_sample, count_anchorable, tail_anchorable
 from dflash_dist.data.dataset import TokenDataset
 from dflash_dist.models.build import build_target, draft_spec
@@ -47,13 +47,14 @@ def test_every_variant_exports_a_config_its_spec_reads_back(name):
 def test_step_settings_come_from_the_objective_and_the_spec():
     cfg = load_config()
     spec = draft_spec(cfg, build_target(cfg, CPU))
-    s = step_settings(cfg.objective, spec)
+    s = step_settings(cfg, spec)
     assert (s.block_size, s.gamma, s.batch_mean, s.dpace_alpha, s.autocast_dtype) == (16, 7.0, False, None, None)
-    d = step_settings(replace(cfg.objective, position_weights="dpace", loss_norm="batch", dpace_alpha=0.3), spec,
+    d = step_settings(replace(cfg, objective=replace(cfg.objective, position_weights="dpace", loss_norm="batch",
+                                                     dpace_alpha=0.3)), spec,
                       torch.bfloat16)
     assert (d.dpace_alpha, d.batch_mean, d.autocast_dtype) == (0.3, True, torch.bfloat16)
     with pytest.raises(ValueError, match="block_size"):
-        step_settings(ObjectiveConfig(block_size=8), spec)
+        step_settings(Config(objective=ObjectiveConfig(block_size=8)), spec)
 
 
 def _random_dataset(gen: np.random.Generator, n: int) -> TokenDataset:

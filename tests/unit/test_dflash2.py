@@ -67,7 +67,7 @@ def reference(model, data, feats, anchors, anchor_cu, alpha):
     unary_loss = (ce * weights).sum()
     served = logits.topk(K, dim=-1).indices  # (A, B, K)
     def capped(z):
-        return torch.tanh(z * s.output_multiplier / s.final_logit_softcapping) * s.final_logit_softcapping
+        return torch.tanh(z * s.options.output_multiplier / s.options.final_logit_softcapping) * s.options.final_logit_softcapping
 
     sel = model.candidate_selector
     proj = sel.hidden_projection(hidden)  # (A, B, R)
@@ -226,7 +226,7 @@ def test_an_untrained_dflash2_drafter_is_its_dflash_backbone(batch):
 @pytest.fixture(scope="module")
 def tiny():
     cfg = load_config(overrides=["model.draft.variant=dflash2", "model.draft.num_layers=2", "objective.block_size=6",
-                                 "model.draft.selector_top_k=6", "model.draft.selector_rank=16"])
+                                 "variant.selector_top_k=6", "variant.selector_rank=16"])
     target = build_target(cfg, CPU)
     spec = draft_spec(cfg, target)
     return cfg, target, spec
@@ -261,15 +261,15 @@ def _block_hidden(drafter, feats, seq):
 
 # The z-lab fixture (z-lab/dflash tests/fixtures/dflash2-safetensors-header.json): per layer the DFlash
 # layer's tensors plus these, and the selector's three tensors; its shapes, as functions of the config.
-FIXTURE_LAYER_EXTRA = {"attention_conv.base_kernel": lambda s: [2, s.conv_kernel_size, s.hidden_size],
+FIXTURE_LAYER_EXTRA = {"attention_conv.base_kernel": lambda s: [2, s.options.conv_kernel_size, s.hidden_size],
                        "attention_conv.kernel_projection.weight":
-                           lambda s: [2 * s.conv_kernel_size * s.hidden_size // s.conv_group_size, s.hidden_size],
-                       "mlp_conv.base_kernel": lambda s: [2, s.conv_kernel_size, s.hidden_size],
+                           lambda s: [2 * s.options.conv_kernel_size * s.hidden_size // s.options.conv_group_size, s.hidden_size],
+                       "mlp_conv.base_kernel": lambda s: [2, s.options.conv_kernel_size, s.hidden_size],
                        "mlp_conv.kernel_projection.weight":
-                           lambda s: [2 * s.conv_kernel_size * s.hidden_size // s.conv_group_size, s.hidden_size]}
-FIXTURE_SELECTOR = {"candidate_selector.hidden_projection.weight": lambda s: [s.selector_rank, s.hidden_size],
-                    "candidate_selector.predecessor_codebook": lambda s: [s.vocab_size, s.selector_rank],
-                    "candidate_selector.successor_codebook": lambda s: [s.vocab_size, s.selector_rank]}
+                           lambda s: [2 * s.options.conv_kernel_size * s.hidden_size // s.options.conv_group_size, s.hidden_size]}
+FIXTURE_SELECTOR = {"candidate_selector.hidden_projection.weight": lambda s: [s.options.selector_rank, s.hidden_size],
+                    "candidate_selector.predecessor_codebook": lambda s: [s.vocab_size, s.options.selector_rank],
+                    "candidate_selector.successor_codebook": lambda s: [s.vocab_size, s.options.selector_rank]}
 FIXTURE_DFLASH_CONFIG = {"block_size", "conv_group_size", "conv_kernel_size", "final_logit_softcapping",
                          "mask_token_id", "output_multiplier", "selector_rank", "selector_top_k", "target_layer_ids"}
 
@@ -278,8 +278,8 @@ def test_export_writes_the_z_lab_dflash2_contract(tmp_path):
     """The fixture's shape scaled down: 5 layers, kv heads a quarter of the heads, group 16, top-16."""
     cfg = load_config(overrides=["model.draft.variant=dflash2", "model.draft.num_layers=5", "model.draft.num_heads=4",
                                  "model.draft.num_kv_heads=1", "objective.block_size=16",
-                                 "model.draft.selector_rank=32", "model.draft.output_multiplier=0.196",
-                                 "model.draft.final_logit_softcapping=20"])
+                                 "variant.selector_rank=32", "variant.output_multiplier=0.196",
+                                 "variant.final_logit_softcapping=20"])
     target = build_target(cfg, CPU)
     spec = draft_spec(cfg, target)
     drafter = trained_like(build_drafter(spec, target, seed=1, device=CPU))
@@ -304,8 +304,8 @@ def test_bad_dflash2_keys_name_the_key():
     with pytest.raises(ConfigError, match="model.draft.variant"):
         load_config(overrides=["model.draft.variant=dflash3"])
     for key, value in (("conv_group_size", 24), ("selector_top_k", 129)):
-        cfg = load_config(overrides=["model.draft.variant=dflash2", f"model.draft.{key}={value}"])
-        with pytest.raises(ConfigError, match=f"model.draft.{key}"):
+        cfg = load_config(overrides=["model.draft.variant=dflash2", f"variant.{key}={value}"])
+        with pytest.raises(ConfigError, match=f"'variant.{key}'"):
             draft_spec(cfg, build_target(cfg, CPU))
 
 
@@ -328,10 +328,10 @@ def test_the_forecast_counts_dflash2_parameters_and_flops():
     from dflash_dist.forecast import cost as C
     from dflash_dist.forecast import memory as M
     from dflash_dist.forecast.shapes import model_shapes
-    base = ["model.draft.num_layers=2", "model.draft.selector_rank=16"]
+    base, own = ["model.draft.num_layers=2"], {"dflash": [], "dflash2": ["variant.selector_rank=16"]}
     flops = {}
     for variant in ("dflash", "dflash2"):
-        cfg = load_config(overrides=base + [f"model.draft.variant={variant}"])
+        cfg = load_config(overrides=base + own[variant] + [f"model.draft.variant={variant}"])
         shapes = model_shapes(cfg)
         w = M.BatchShape(tokens=600, seqs=4, anchors=40, seq_lens=(150,) * 4, seq_anchors=(10,) * 4,
                          anchor_pos=tuple(range(5, 105, 10)) * 4)

@@ -206,8 +206,8 @@ def test_dflash2_trains_its_unary_head_on_the_distribution_and_its_selector_on_t
     distillation, and its selector's gold (the K-way cross-entropy, the top-K's recall) is the target's
     top-1 at each slot, as under target_soft, not the data's token."""
     cfg = load_config(overrides=["objective.labels=target_full", "objective.block_size=4",
-                                 "model.draft.variant=dflash2", "model.draft.selector_top_k=8",
-                                 "model.draft.selector_rank=16"])
+                                 "model.draft.variant=dflash2", "variant.selector_top_k=8",
+                                 "variant.selector_rank=16"])
     target = build_target(cfg, CPU)
     spec = draft_spec(cfg, target)
     gen = torch.Generator().manual_seed(6)

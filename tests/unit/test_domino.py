@@ -16,7 +16,7 @@ from oracles import full_distill_loss
 from probes import LargestWithVocab
 from safetensors.torch import load_file
 
-from dflash_dist.config import ConfigError, ObjectiveConfig, load_config
+from dflash_dist.config import ConfigError, load_config
 from dflash_dist.data.collate import PackedBatch
 from dflash_dist.evaluation.reference import speculative_generate
 from dflash_dist.evaluation.speculative import speculative, target_greedy
@@ -32,7 +32,7 @@ from dflash_dist.training.step import StepBatch, drafter_step, step_settings
 
 CPU = torch.device("cpu")
 G, E = 10, 6
-SPEC = helpers.tiny_spec(variant="domino", gru_hidden_dim=G, domino_emb_dim=E)
+SPEC = helpers.tiny_spec(variant="domino", gru_hidden_dim=G, emb_dim=E)
 B, V, H = SPEC.block_size, SPEC.vocab_size, SPEC.hidden_size
 NFEAT = len(SPEC.target_layer_ids)
 
@@ -100,8 +100,7 @@ def test_labels_anchor_as_first_with_a_per_slot_mask():
     ids = torch.arange(10)
     mask = torch.tensor([0, 1, 1, 0, 1, 1, 1, 1, 1, 1], dtype=torch.bool)
     cu, anchors, anchor_cu = torch.tensor([0, 8, 10]), torch.tensor([0, 5]), torch.tensor([0, 2, 2])
-    o = ObjectiveConfig(block_size=4)
-    settings = step_settings(o, SPEC)
+    settings = step_settings(helpers.config_of(block_size=4), SPEC)
     assert settings.gamma == 7.0
     from dflash_dist.training.step import batch_targets
     labels, weights, _ = batch_targets(PackedBatch(ids, mask, cu), None, anchors, anchor_cu, 4, settings.gamma,
@@ -113,8 +112,8 @@ def test_labels_anchor_as_first_with_a_per_slot_mask():
 
 def domino_step(model, data, feats, anchors, anchor_cu, progress=RunProgress(), **objective):
     """drafter_step with the settings step_settings builds, loss_norm=batch (the mean over the weights)."""
-    o = ObjectiveConfig(block_size=B, loss_norm="batch", **objective)
-    return drafter_step(model, StepBatch(data, feats, None, anchors, anchor_cu, progress), step_settings(o, model.spec))
+    cfg = helpers.config_of(block_size=B, loss_norm="batch", **objective)
+    return drafter_step(model, StepBatch(data, feats, None, anchors, anchor_cu, progress), step_settings(cfg, model.spec))
 
 
 def reference(model, data, feats, anchors, anchor_cu, lam, gamma=7.0, full=None):
@@ -280,13 +279,13 @@ def test_the_run_passes_its_step_and_total():
 
 def test_domino_config_keys_and_refusals():
     cfg = load_config(overrides=["model.draft.variant=domino"])
-    assert (cfg.model.draft.gru_hidden_dim, cfg.model.draft.domino_emb_dim, cfg.objective.domino_lambda_fraction) \
+    assert (cfg.variant.gru_hidden_dim, cfg.variant.emb_dim, cfg.variant.lambda_fraction) \
         == (1024, 256, 1.0)
     full = load_config(overrides=["model.draft.variant=domino", "objective.labels=target_full", "objective.block_size=4"])
-    assert step_settings(full.objective, SPEC).full == (1.0, 0.0)  # the step takes it too: Domino's term distils
+    assert step_settings(full, SPEC).full == (1.0, 0.0)  # the step takes it too: Domino's term distils
     for bad in ("objective.labels=target_argmax", "objective.labels=target_soft", "objective.position_weights=dpace",
-                "model.draft.gru_hidden_dim=0", "model.draft.domino_emb_dim=0", "objective.domino_lambda_fraction=0",
-                "objective.domino_lambda_fraction=1.5"):
+                "variant.gru_hidden_dim=0", "variant.emb_dim=0", "variant.lambda_fraction=0",
+                "variant.lambda_fraction=1.5"):
         with pytest.raises(ConfigError, match=bad.split("=")[0]):
             load_config(overrides=["model.draft.variant=domino", bad])
 
@@ -324,8 +323,8 @@ def test_evaluate_with_vllm_refuses_a_domino_export(tmp_path, caplog):
 
 def test_both_decoders_are_exact_and_agree_step_for_step():
     """(b) The KV-cached decoder and the reference decoder, B drafts a block, equal the target's greedy."""
-    cfg = load_config(overrides=["model.draft.variant=domino", "objective.block_size=4", "model.draft.gru_hidden_dim=16",
-                                 "model.draft.domino_emb_dim=8"])
+    cfg = load_config(overrides=["model.draft.variant=domino", "objective.block_size=4", "variant.gru_hidden_dim=16",
+                                 "variant.emb_dim=8"])
     target = build_target(cfg, CPU)
     spec = draft_spec(cfg, target)
     drafter = build_drafter(spec, target, seed=0, device=CPU)
@@ -349,12 +348,12 @@ def test_the_forecasts_count_the_gru_and_the_delta():
     from dflash_dist.forecast import memory as M
     from dflash_dist.forecast import variants as FV
     from dflash_dist.forecast.shapes import model_shapes
-    base = ["model.draft.num_layers=2", "model.draft.gru_hidden_dim=12", "model.draft.domino_emb_dim=8"]
+    base, own = ["model.draft.num_layers=2"], ["variant.gru_hidden_dim=12", "variant.emb_dim=8"]
     prec, terms, mem = M.Precision(device="cpu"), {}, {}
     w = M.BatchShape(tokens=600, seqs=4, anchors=40, seq_lens=(150,) * 4, seq_anchors=(10,) * 4,
                      anchor_pos=tuple(range(5, 105, 10)) * 4)
     for variant in ("dflash", "domino"):
-        cfg = load_config(overrides=base + [f"model.draft.variant={variant}"])
+        cfg = load_config(overrides=base + (own if variant == "domino" else []) + [f"model.draft.variant={variant}"])
         target = build_target(cfg, CPU)
         spec = draft_spec(cfg, target)
         shapes = model_shapes(cfg)
@@ -367,7 +366,7 @@ def test_the_forecasts_count_the_gru_and_the_delta():
     assert mem["domino"]["activations"] > mem["dflash"]["activations"]
     assert mem["domino"]["transient"] > mem["dflash"]["transient"]  # two float32 (rows, V) buffers
     # target_full: the target's final state on the wire, and two float32 (rows, V) more (p_t and a scratch)
-    full = load_config(overrides=base + ["model.draft.variant=domino", "objective.labels=target_full"])
+    full = load_config(overrides=base + own + ["model.draft.variant=domino", "objective.labels=target_full"])
     assert M.feature_blocks(shapes, full) == M.feature_blocks(shapes, cfg) + 1 and M.runs_whole_target(full)
     with_full, plain = (FV.forecast_of(cfg).chunk_bytes(shapes, prec, c, 64, 400, 80).loss for c in (full, cfg))
     assert with_full - plain == 2 * 4 * 64 * shapes.vocab
@@ -375,8 +374,8 @@ def test_the_forecasts_count_the_gru_and_the_delta():
     dflash_full = load_config(overrides=base + ["objective.labels=target_full"])
     one = C.drafter_terms(shapes, prec, dflash_full, w, 0).terms["distill_loss"].amount
     for f in (1.0, 0.25):
-        half = load_config(overrides=base + ["model.draft.variant=domino", "objective.labels=target_full",
-                                             f"objective.domino_lambda_fraction={f}"])
+        half = load_config(overrides=base + own + ["model.draft.variant=domino", "objective.labels=target_full",
+                                             f"variant.lambda_fraction={f}"])
         assert C.drafter_terms(shapes, prec, half, w, 0).terms["distill_loss"].amount == pytest.approx((1 + f) * one)
     cfg8 = load_config("configs/qwen3_8b.yaml", ["model.draft.variant=domino"])
     s8 = model_shapes(cfg8, "qwen3-8b")

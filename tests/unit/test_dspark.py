@@ -126,8 +126,8 @@ def test_the_loss_coefficients_and_gamma_are_the_objectives(batch):
     data, feats, anchors, anchor_cu = batch
     model = make_model()
     loss, wsum, _, _ = reference(model, data, feats, anchors, anchor_cu, gamma=2.0, a=0.5, b=0.0, c=2.0)
-    m = helpers.train_step(model, data, feats, None, anchors, anchor_cu, gamma=2.0, dspark_ce_weight=0.5,
-                           dspark_l1_weight=0.0, dspark_confidence_weight=2.0)
+    m = helpers.train_step(model, data, feats, None, anchors, anchor_cu, gamma=2.0, ce_weight=0.5,
+                           l1_weight=0.0, confidence_weight=2.0)
     assert float(m.loss_sum) == pytest.approx(float(loss.detach()), rel=1e-5)
     assert float(m.weight_sum) == pytest.approx(float(wsum), rel=1e-6)
 
@@ -202,13 +202,13 @@ def test_the_forecasts_count_the_heads_and_the_final_hidden_row(with_markov):
     from dflash_dist.forecast import memory as M
     from dflash_dist.forecast import variants as FV
     from dflash_dist.forecast.shapes import model_shapes
-    base = ["model.draft.num_layers=2", "model.draft.markov_rank=8",
-            f"model.draft.confidence_head_with_markov={str(with_markov).lower()}"]
+    base, own = ["model.draft.num_layers=2"], ["variant.markov_rank=8",
+                                               f"variant.confidence_head_with_markov={str(with_markov).lower()}"]
     prec, terms, mem, tmem = M.Precision(device="cpu"), {}, {}, {}
     w = M.BatchShape(tokens=600, seqs=4, anchors=40, seq_lens=(150,) * 4, seq_anchors=(10,) * 4,
                      anchor_pos=tuple(range(5, 105, 10)) * 4)
     for variant in ("dflash", "dspark"):
-        cfg = load_config(overrides=base + [f"model.draft.variant={variant}"])
+        cfg = load_config(overrides=base + (own if variant == "dspark" else []) + [f"model.draft.variant={variant}"])
         target = build_target(cfg, CPU)
         spec = draft_spec(cfg, target)
         shapes = model_shapes(cfg)

@@ -162,15 +162,15 @@ def test_settings_that_contradict_the_export_are_refused_naming_the_keys(tmp_pat
     export fixes the drafter, so the two keys would be ignored and Domino measured at block 4 without a
     word; exit 2 naming both, before anything is decoded. The same keys at the export's values pass."""
     from evaluate_fixtures import target_overrides, untrained_export
-    target, export = untrained_export(tmp_path, "model.draft.variant=domino", "model.draft.gru_hidden_dim=8",
-                                      "model.draft.domino_emb_dim=8")
+    target, export = untrained_export(tmp_path, "model.draft.variant=domino", "variant.gru_hidden_dim=8",
+                                      "variant.emb_dim=8")
     path = prompts(tmp_path, "[1, 2, 3]\n")
     base = ["--draft", str(export), "--bench", path, "--max-new-tokens", "2", *target_overrides(target)]
     rc, err = run([*base, "model.draft.variant=dspark", "objective.block_size=8"], caplog)
     assert rc == 2 and "model.draft.variant=dspark (the export's domino)" in err \
         and "objective.block_size=8 (the export's 4)" in err, err
-    rc, err = run([*base, "model.draft.gru_hidden_dim=16"], caplog)
-    assert rc == 2 and "model.draft.gru_hidden_dim=16 (the export's 8)" in err, err
+    rc, err = run([*base, "variant.gru_hidden_dim=16"], caplog)
+    assert rc == 2 and "variant.gru_hidden_dim=16 (the export's 8)" in err, err
     out = tmp_path / "ok.json"
-    rc, err = run(["--json", str(out), *base, "model.draft.variant=domino", "model.draft.gru_hidden_dim=8"], caplog)
+    rc, err = run(["--json", str(out), *base, "model.draft.variant=domino", "variant.gru_hidden_dim=8"], caplog)
     assert rc == 0 and json.loads(out.read_text())["block_size"] == 4, err

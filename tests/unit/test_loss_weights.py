@@ -4,6 +4,8 @@ left trains nothing and is refused naming the keys (`check_objective`, which tra
 loading the config and `draft_spec` runs for every tool that builds a drafter)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from dflash_dist.models.build import build_target, draft_spec
 from dflash_dist.models.variants import VARIANTS, check_objective
 
 DSPARK = ["model.draft.variant=dspark"]
-ZERO_DSPARK = ["objective.dspark_ce_weight=0", "objective.dspark_l1_weight=0", "objective.dspark_confidence_weight=0"]
+ZERO_DSPARK = ["variant.ce_weight=0", "variant.l1_weight=0", "variant.confidence_weight=0"]
 FULL_ZERO = ["objective.labels=target_full", "objective.distill_kl_weight=0", "objective.distill_l1_weight=0"]
 
 
@@ -27,20 +29,20 @@ def refusal(overrides: list[str]) -> str:
 
 def test_dspark_with_its_three_weights_zero_is_refused_naming_them():
     msg = refusal(DSPARK + ZERO_DSPARK)
-    for key in ("objective.dspark_ce_weight", "objective.dspark_l1_weight", "objective.dspark_confidence_weight"):
+    for key in ("variant.ce_weight", "variant.l1_weight", "variant.confidence_weight"):
         assert f"'{key}'" in msg
     assert "nothing would be trained" in msg
 
 
 def test_dspark_without_its_confidence_head_and_the_other_two_zero_is_refused():
-    msg = refusal(DSPARK + ["model.draft.enable_confidence_head=false", "objective.dspark_ce_weight=0",
-                            "objective.dspark_l1_weight=0"])  # the confidence weight (1.0) weighs no term
-    assert "'objective.dspark_ce_weight'" in msg and "'objective.dspark_l1_weight'" in msg
-    assert "dspark_confidence_weight" not in msg and "enable_confidence_head" in msg
+    msg = refusal(DSPARK + ["variant.enable_confidence_head=false", "variant.ce_weight=0",
+                            "variant.l1_weight=0"])  # the confidence weight (1.0) weighs no term
+    assert "'variant.ce_weight'" in msg and "'variant.l1_weight'" in msg
+    assert "confidence_weight" not in msg and "enable_confidence_head" in msg
 
 
-@pytest.mark.parametrize("one", ["objective.dspark_ce_weight=0.1", "objective.dspark_l1_weight=0.1",
-                                 "objective.dspark_confidence_weight=0.1"])
+@pytest.mark.parametrize("one", ["variant.ce_weight=0.1", "variant.l1_weight=0.1",
+                                 "variant.confidence_weight=0.1"])
 def test_dspark_with_any_one_term_weighted_trains(one):
     check_objective(load_config(overrides=DSPARK + ZERO_DSPARK + [one]))
 
@@ -52,8 +54,8 @@ def test_target_full_with_both_weights_zero_is_the_same_rule(variant):
 
 
 def test_dflash2_counts_its_selector_term_among_its_weights():
-    msg = refusal(FULL_ZERO + ["model.draft.variant=dflash2", "objective.selector_weight=0"])
-    assert "'objective.selector_weight'" in msg and "'objective.distill_kl_weight'" in msg
+    msg = refusal(FULL_ZERO + ["model.draft.variant=dflash2", "variant.selector_weight=0"])
+    assert "'variant.selector_weight'" in msg and "'objective.distill_kl_weight'" in msg
     # the selector term alone trains (the selector and, undetached, the backbone) on the target's top-1
     check_objective(load_config(overrides=FULL_ZERO + ["model.draft.variant=dflash2"]))
 
@@ -67,8 +69,10 @@ def test_every_variant_declares_its_weights_and_trains_at_its_defaults(name):
         if name == "dspark" and labels == "target_full":
             continue  # refused by config for DSpark (its loss distils already)
         cfg = load_config(overrides=[f"model.draft.variant={name}", f"objective.labels={labels}"])
-        w = v.loss_weights(cfg.objective, cfg.model.draft)
-        assert w.trains() and all(k.startswith("objective.") for k in w.keys)
+        w = v.loss_weights(cfg.objective, cfg.variant)
+        assert w.trains() and all(k.startswith(("objective.", "variant.")) for k in w.keys)
         check_objective(cfg)
-    cfg = load_config(overrides=[f"model.draft.variant={name}", "objective.selector_weight=0", *ZERO_DSPARK])
-    assert v.loss_weights(cfg.objective, cfg.model.draft).unweighted == (name != "dspark")
+    own = {f.name for f in dataclasses.fields(v.Options)}  # its zero weights: the keys it has of these
+    zero = [k for k in ["variant.selector_weight=0", *ZERO_DSPARK] if k.split("=")[0].removeprefix("variant.") in own]
+    cfg = load_config(overrides=[f"model.draft.variant={name}", *zero])
+    assert v.loss_weights(cfg.objective, cfg.variant).unweighted == (name != "dspark")

@@ -13,7 +13,7 @@ from dflash_dist.parallel.sharding import Replicas
 from dflash_dist.training.state import ScheduleClock, TrainState, lr_lambda
 
 LR, F = 0.5, 0.5
-CFG = load_config(overrides=["model.draft.variant=domino", f"optim.lr={LR}", f"objective.domino_lambda_fraction={F}",
+CFG = load_config(overrides=["model.draft.variant=domino", f"optim.lr={LR}", f"variant.lambda_fraction={F}",
                              "optim.warmup_ratio=0.1", "optim.min_lr_ratio=0.1"])
 
 

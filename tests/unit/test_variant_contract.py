@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 
+import helpers
 import pytest
 import torch
 from drafter_batches import three_sequences
 from variant_models import CONFIG_OPTIONS, NAMES, feat_dim, make_model, tiny_spec
 
-from dflash_dist.config import ObjectiveConfig, load_config
+from dflash_dist.config import load_config
 from dflash_dist.evaluation.loading import load_drafter_checked, read_export_config
 from dflash_dist.forecast import variants as FV
 from dflash_dist.forecast.shapes import model_shapes
@@ -44,9 +45,9 @@ def step(model, batch, **objective):
     between its ends, so that every head gets a gradient)."""
     data, feats, anchors, anchor_cu = batch
     model.zero_grad(set_to_none=True)
-    o = ObjectiveConfig(block_size=model.spec.block_size, gamma=4.0, **objective)
+    cfg = helpers.config_of(block_size=model.spec.block_size, gamma=4.0, **objective)
     m = drafter_step(model, StepBatch(data, feats, None, anchors, anchor_cu, RunProgress(3, 10)),
-                     step_settings(o, model.spec))
+                     step_settings(cfg, model.spec))
     return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}, m
 
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 import importlib
 import os
 
-from dflash_dist.config import ConfigError, add_rule
+from dflash_dist.config import ConfigError, add_aliases, add_rule, parse_section
 from dflash_dist.models.variants.base import (
     BlockLayout,
     LossChunk,
     LossWeights,
     Needs,
+    NoOptions,
     RunProgress,
     Variant,
     accepted_lengths,
@@ -28,7 +29,7 @@ from dflash_dist.models.variants.dflash2 import DFlash2
 from dflash_dist.models.variants.domino import Domino
 from dflash_dist.models.variants.dspark import DSpark
 
-VARIANTS: dict[str, Variant] = {v.name: v for v in (DFlash(), DFlash2(), DSpark(), Domino())}
+VARIANTS: dict[str, Variant] = {}
 PLUGINS_ENV = "DFLASH_VARIANTS"
 
 
@@ -41,6 +42,7 @@ def register(variant: Variant) -> Variant:
         raise ConfigError(f"{PLUGINS_ENV}: variant name {variant.name!r} is taken by "
                           f"{type(VARIANTS[variant.name]).__name__}")
     VARIANTS[variant.name] = variant
+    add_aliases(variant.name, variant.old_keys)  # its options' keys before the `variant` section
     return variant
 
 
@@ -64,17 +66,35 @@ def variant_of(name: str) -> Variant:
                           f"{', '.join(VARIANTS)}") from None
 
 
+def options_for(variant: Variant, section):
+    """`variant`'s options, typed (its `Options` value), from a config's `variant` section: a mapping as
+    loaded, its Options value as validated, or another variant's value (its fields by name: DFlash's has
+    none, so a config loaded for DFlash gives another variant its defaults). A ConfigError names the key
+    `variant.<name>` at fault."""
+    if type(section) is variant.Options:
+        return section
+    return parse_section(variant.Options, section, "variant", f"model.draft.variant={variant.name}")
+
+
+def options_of(cfg):
+    """The options of the variant the config names (model.draft.variant), typed."""
+    return options_for(variant_of(cfg.model.draft.variant), cfg.variant)
+
+
 def check_config(cfg) -> None:
     """The registry's rule on every loaded config (`config.validate` runs it; added below): the name is a
-    registered variant's, and that variant's own rules on the keys (`Variant.check_config`)."""
-    variant_of(cfg.model.draft.variant).check_config(cfg)
+    registered variant's, its `variant` section that variant's options (made its typed value here, checked,
+    defaults filled, so the config records every option), and that variant's own rules (`check_config`)."""
+    v = variant_of(cfg.model.draft.variant)
+    cfg.variant = parse_section(v.Options, cfg.variant, "variant", f"model.draft.variant={v.name}")
+    v.check_config(cfg)
 
 
 def check_objective(cfg) -> None:
     """The variant's rules on a loaded config that need no target (config.py names no variant, so they
     run here: `train.main` right after loading, before any group forms, and `models.build.draft_spec`
     for every tool that builds a drafter): its loss weights train something (`base.check_trains`)."""
-    check_trains(variant_of(cfg.model.draft.variant), cfg.objective, cfg.model.draft)
+    check_trains(variant_of(cfg.model.draft.variant), cfg.objective, options_of(cfg))
 
 
 def variant_of_export(cfg: dict) -> Variant:
@@ -92,8 +112,10 @@ def variant_of_export(cfg: dict) -> Variant:
                 VARIANTS["dflash"])
 
 
+for _builtin in (DFlash(), DFlash2(), DSpark(), Domino()):
+    register(_builtin)
 _load_plugins(os.environ.get(PLUGINS_ENV, ""))  # last: a plugin imports this package's names above
 add_rule(check_config)
 
-__all__ = ["PLUGINS_ENV", "VARIANTS", "BlockLayout", "LossChunk", "Needs", "LossWeights", "RunProgress", "Variant", "accepted_lengths", "check_config", "check_objective",
-           "check_trains", "register", "variant_of", "variant_of_export"]
+__all__ = ["PLUGINS_ENV", "VARIANTS", "BlockLayout", "LossChunk", "Needs", "LossWeights", "NoOptions", "RunProgress", "Variant", "accepted_lengths", "check_config", "check_objective",
+           "check_trains", "options_for", "options_of", "register", "variant_of", "variant_of_export"]

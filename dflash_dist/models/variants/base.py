@@ -18,7 +18,7 @@ package by DFLASH_VARIANTS=module:Class (the registry's docstring says why an en
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -96,11 +96,16 @@ class LossWeights:
         return self.unweighted or any(v > 0 for v in self.keys.values())
 
 
-def check_trains(variant: "Variant", objective, draft) -> None:
+@dataclass(frozen=True)
+class NoOptions:
+    """The options of a variant without any of its own (DFlash): its `variant` section is empty."""
+
+
+def check_trains(variant: "Variant", objective, options) -> None:
     """The one rule on every variant's loss weights: a ConfigError naming the keys when all of them are
     0 and no unweighted term is left (loss 0 and no gradient at every step: a run would end "done",
     its checkpoints and export untrained)."""
-    w = variant.loss_weights(objective, draft)
+    w = variant.loss_weights(objective, options)
     if w.trains():
         return
     names = [f"'{k}'" for k in w.keys]
@@ -117,7 +122,15 @@ class Variant:
     architecture = "DFlashDraftModel"  # config.json's `architectures`: the engines pick their model class by it
     # dflash_config.projector_type: what tells variants of one architecture apart (Domino's "domino"; None: absent)
     projector_type: str | None = None
-    config_keys: tuple[str, ...] = ()  # DraftSpec fields of this variant, exported in dflash_config
+    # Its options, the config's `variant` section (config keys `variant.<name>`): `Options`, a frozen
+    # dataclass of typed fields declared with config.num / one_of (checked as the schema's keys are), holds
+    # them all; `Model`, the part that fixes the drafter (its shapes and heads), is what DraftSpec.options
+    # carries and the export writes. Options subclasses Model, so one section lists both.
+    Model: type = NoOptions
+    Options: type = NoOptions
+    # The keys its options had before the `variant` section -> the option's name: still taken, mapped.
+    old_keys: dict[str, str] = {}
+    config_keys: tuple[str, ...] = ()  # its Model's fields as config.json's dflash_config names them
     layout = BlockLayout()  # its block layout, which the step's labels read (DFlash's: the default)
     # Whether `loss_term` adds to the plain head's cross-entropy (`lm_head_loss`); False: its term is the
     # whole loss (DSpark: its slot logits carry a bias the plain head lacks) and the step skips that pass.
@@ -149,12 +162,17 @@ class Variant:
         return self.needs.final_hidden
 
     # -- build ---------------------------------------------------------------------------------------
+    def model_options(self, options):
+        """DraftSpec.options from an options value: its `Model`'s fields taken from `options` where it has
+        them (its `Options` has them all), each other field its default (another variant's value)."""
+        return self.Model(**{f.name: getattr(options, f.name) for f in fields(self.Model) if hasattr(options, f.name)})
+
     def check_config(self, cfg) -> None:
         """Raise a ConfigError naming the key when the loaded config (`config.Config`) asks this variant
         for what it cannot train: run by `config.validate` (the registry adds it), before any group forms."""
 
-    def check(self, draft_cfg, target) -> None:
-        """Raise a ConfigError naming the key when `model.draft` does not fit the target's shapes."""
+    def check(self, options, target) -> None:
+        """Raise a ConfigError naming the key when its `Model` options do not fit the target's shapes."""
 
     def sublayer_wrappers(self, spec) -> tuple[nn.Module | None, nn.Module | None]:
         """(around the attention, around the MLP) of one draft layer; None: the sublayer as it is. A
@@ -167,9 +185,9 @@ class Variant:
         return {}
 
     # -- training -----------------------------------------------------------------------------------
-    def loss_weights(self, objective, draft) -> LossWeights:
-        """The keys that weigh this variant's loss under `objective` (cfg.objective) and `draft`
-        (cfg.model.draft), which `check_trains` refuses when none trains anything. The plain head's loss:
+    def loss_weights(self, objective, options) -> LossWeights:
+        """The keys that weigh this variant's loss under `objective` (cfg.objective) and its `options`
+        (its Options value), which `check_trains` refuses when none trains anything. The plain head's loss:
         its cross-entropy (no key), or under target_full the KL and L1 distillation's two weights."""
         if objective.labels == "target_full":
             return LossWeights({"objective.distill_kl_weight": objective.distill_kl_weight,
@@ -185,10 +203,6 @@ class Variant:
         """The position decay's gamma (`objective.gamma`, 0: the paper's rule for the block size)."""
         return loss_gamma(objective)
 
-    def options(self, objective) -> Any:
-        """This variant's own step settings, read from `cfg.objective` (frozen, hashable)."""
-        return None
-
     def loss_top_k(self, spec) -> int:
         """Top-K candidates per labelled row that `loss_term` needs from the LM head's loss (0: none)."""
         return 0
@@ -196,10 +210,11 @@ class Variant:
     def loss_term(self, model, hidden: torch.Tensor, chunk: LossChunk, loss_sum: torch.Tensor, metrics,
                   top, options):
         """(loss_sum, metrics) of an anchor chunk with this variant's term added: `loss_sum` and `metrics`
-        are the unary loss's (`lm_head_loss`), `top` its `HeadTopK` (with `loss_top_k` > 0)."""
+        are the unary loss's (`lm_head_loss`), `top` its `HeadTopK` (with `loss_top_k` > 0), `options`
+        its Options value (the run's: frozen)."""
         return loss_sum, metrics
 
-    def step_figures(self, progress: RunProgress, objective) -> dict:
+    def step_figures(self, progress: RunProgress, options) -> dict:
         """This variant's own figures of the training step at `progress` (its schedule's values: Domino's
         lambda), added to metrics.jsonl's step record."""
         return {}
@@ -217,8 +232,9 @@ class Variant:
         return {}
 
     def spec_fields(self, cfg: dict) -> dict:
-        """DraftSpec fields of this variant read back from an export's config.json."""
-        return {"variant": self.name, **{k: cfg["dflash_config"][k] for k in self.config_keys}}
+        """DraftSpec fields of this variant read back from an export's config.json: its name and its
+        `Model` options."""
+        return {"variant": self.name, "options": self.Model(**{k: cfg["dflash_config"][k] for k in self.config_keys})}
 
     def card_rows(self, spec) -> list[tuple[str, str]]:
         """Rows of the model card's table describing this variant's modules."""

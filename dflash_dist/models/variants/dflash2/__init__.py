@@ -3,7 +3,7 @@
 `qwen3_dflash2.py` under the architecture `DFlash2DraftModel` (its `dflash_config` keys: `config_keys`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -19,13 +19,7 @@ from dflash_dist.models.variants.dflash2.modules import (
     unary_values,
     walk,
 )
-
-
-@dataclass(frozen=True)
-class SelectorOptions:
-    weight: float  # alpha: the selector term's weight beside the unary loss (objective.selector_weight)
-    detach: bool  # none of its gradient into the backbone (objective.selector_detach)
-
+from dflash_dist.models.variants.dflash2.options import OLD_KEYS, DFlash2Model, DFlash2Options
 
 # What DFlash 2 adds to the engines' settings (docs/serving.md has the sources).
 _VLLM = """
@@ -43,6 +37,7 @@ class DFlash2(Variant):
     forecast = DFlash2Forecast()  # what its modules add to the memory and cost forecasts (forecast.py)
     title = "DFlash 2"
     architecture = "DFlash2DraftModel"
+    Model, Options, old_keys = DFlash2Model, DFlash2Options, OLD_KEYS
     # z-lab's `dflash2-config.json`; vLLM's qwen3_dflash2.py reads them.
     config_keys = ("conv_group_size", "conv_kernel_size", "final_logit_softcapping", "output_multiplier",
                    "selector_rank", "selector_top_k")
@@ -51,47 +46,46 @@ class DFlash2(Variant):
         """The convolution reads rows of one block only (models/variants/dflash2/modules.py grouped_conv); with more taps
         than block_size + 1 the shifted block no longer lines up with it (a RuntimeError in the first
         step; block_size + 1 taps still run, the taps past block_size reading only zeros). Checked here,
-        not in `check`: that sees the draft's keys only, and the block size is objective.block_size."""
-        k, b = cfg.model.draft.conv_kernel_size, cfg.objective.block_size
+        not in `check`: that sees the drafter's options only, and the block size is objective.block_size."""
+        k, b = cfg.variant.conv_kernel_size, cfg.objective.block_size
         if k > b + 1:
-            raise ConfigError(f"config key 'model.draft.conv_kernel_size': {k} exceeds objective.block_size + 1 "
+            raise ConfigError(f"config key 'variant.conv_kernel_size': {k} exceeds objective.block_size + 1 "
                               f"({b} + 1): the convolution's taps read rows of one block only")
 
-    def check(self, d, target) -> None:
+    def check(self, d: DFlash2Model, target) -> None:
         if target.hidden_size % d.conv_group_size:
-            raise ConfigError(f"config key 'model.draft.conv_group_size': {d.conv_group_size} does not divide the "
+            raise ConfigError(f"config key 'variant.conv_group_size': {d.conv_group_size} does not divide the "
                               f"target's hidden size {target.hidden_size}")
         if d.selector_top_k > target.vocab_size:
-            raise ConfigError(f"config key 'model.draft.selector_top_k': {d.selector_top_k} exceeds the target's "
+            raise ConfigError(f"config key 'variant.selector_top_k': {d.selector_top_k} exceeds the target's "
                               f"vocabulary ({target.vocab_size})")
 
-    def loss_weights(self, objective, draft) -> LossWeights:
+    def loss_weights(self, objective, options) -> LossWeights:
         """The plain head's terms plus the selector's (alpha, on the same labels: under target_full the
         target's top-1), which trains the selector and, undetached, the backbone on its own."""
-        unary = super().loss_weights(objective, draft)
-        return replace(unary, keys={**unary.keys, "objective.selector_weight": objective.selector_weight},
+        unary = super().loss_weights(objective, options)
+        return replace(unary, keys={**unary.keys, "variant.selector_weight": options.selector_weight},
                        where=f"{unary.where} with model.draft.variant=dflash2".strip())
 
-    def sublayer_wrappers(self, s):
-        return (GroupedConv(s.hidden_size, s.conv_kernel_size, s.conv_group_size),
-                GroupedConv(s.hidden_size, s.conv_kernel_size, s.conv_group_size))
+    def sublayer_wrappers(self, spec):
+        s = spec.options
+        return (GroupedConv(spec.hidden_size, s.conv_kernel_size, s.conv_group_size),
+                GroupedConv(spec.hidden_size, s.conv_kernel_size, s.conv_group_size))
 
-    def heads(self, s):
-        return {"candidate_selector": CandidateSelector(s.hidden_size, s.vocab_size, s.selector_rank,
+    def heads(self, spec):
+        s = spec.options
+        return {"candidate_selector": CandidateSelector(spec.hidden_size, spec.vocab_size, s.selector_rank,
                                                         s.selector_top_k)}
 
-    def options(self, objective) -> SelectorOptions:
-        return SelectorOptions(objective.selector_weight, objective.selector_detach)
-
     def loss_top_k(self, spec) -> int:
-        return spec.selector_top_k  # the selector's candidates come off the loss's own logits
+        return spec.options.selector_top_k  # the selector's candidates come off the loss's own logits
 
-    def loss_term(self, model, hidden, chunk: LossChunk, loss_sum, metrics, top, options: SelectorOptions):
+    def loss_term(self, model, hidden, chunk: LossChunk, loss_sum, metrics, top, options: DFlash2Options):
         """The loss adds alpha x the selector term; acc and acceptance follow the selector's walk, the
         unary head's kept beside them."""
         sel_sum, sm = selector_term(model, hidden, chunk.input_ids, chunk.anchors, chunk.labels, chunk.weights,
-                                    top, detach=options.detach, rows=chunk.rows)
-        a = options.weight
+                                    top, detach=options.selector_detach, rows=chunk.rows)
+        a = options.selector_weight
         return loss_sum + a * sel_sum, replace(
             metrics, loss_sum=metrics.loss_sum + a * sm.loss_sum, correct=sm.correct, accept_sum=sm.accept_sum,
             unary_correct=metrics.correct, unary_accept_sum=metrics.accept_sum, selector_loss_sum=sm.loss_sum,
@@ -100,7 +94,7 @@ class DFlash2(Variant):
     def unary_candidates(self, model, hidden: torch.Tensor, rows: int = 8192):
         """(ids (n, K), served unary scores (n, K) float32) of final-normed rows (n, H): the head's top-K,
         its logits scaled and soft-capped (vLLM's `compute_candidates`), differentiable in `hidden`."""
-        s, head = model.spec, model.lm_head.weight
+        s, head = model.spec.options, model.lm_head.weight
         h = hidden.to(head.dtype)
         ids = unary_top_k(h, head, s.selector_top_k, rows)
         return ids, unary_values(candidate_logits(h, head, ids, rows), s.output_multiplier, s.final_logit_softcapping)
@@ -116,14 +110,15 @@ class DFlash2(Variant):
 
     def config_fields(self, spec) -> dict:
         # Every layer attends fully (the project trains no sliding window), as these contract fields say.
-        return {"dflash_config": {"block_size": spec.block_size, **{k: getattr(spec, k) for k in self.config_keys}},
+        return {"dflash_config": {"block_size": spec.block_size, **{k: getattr(spec.options, k) for k in self.config_keys}},
                 "use_sliding_window": False, "sliding_window": None, "max_window_layers": spec.num_layers}
 
     def card_rows(self, spec):
-        return [("DFlash 2", f"grouped convolution {spec.conv_kernel_size} taps x groups of {spec.conv_group_size} "
-                             f"channels; selector top-{spec.selector_top_k}, rank {spec.selector_rank}, "
-                             f"output multiplier {spec.output_multiplier}, soft cap "
-                             f"{spec.final_logit_softcapping or 'none'}")]
+        o = spec.options
+        return [("DFlash 2", f"grouped convolution {o.conv_kernel_size} taps x groups of {o.conv_group_size} "
+                             f"channels; selector top-{o.selector_top_k}, rank {o.selector_rank}, "
+                             f"output multiplier {o.output_multiplier}, soft cap "
+                             f"{o.final_logit_softcapping or 'none'}")]
 
     def card_notes(self):
         return {"vllm": _VLLM, "sglang": _SGLANG}

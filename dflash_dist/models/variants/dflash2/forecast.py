@@ -13,7 +13,7 @@ class DFlash2Forecast(VariantForecast):
         """Per layer two convolutions, each a base kernel (2, taps, H) and a projection H -> 2 x taps x H /
         group (models/variants/dflash2/modules.py); the selector's two codebooks (V x R each) and its hidden
         projection (R x H)."""
-        d = cfg.model.draft
+        d = cfg.variant  # the variant's typed options (config.py's `variant` section)
         H, taps = s.hidden, d.conv_kernel_size
         conv = 2 * taps * H + H * 2 * taps * (H // d.conv_group_size)
         return s.draft_layers * 2 * conv + 2 * s.vocab * d.selector_rank + d.selector_rank * H
@@ -23,7 +23,7 @@ class DFlash2Forecast(VariantForecast):
         coefficients (taps x H: the float32 base kernel promotes them) and the shifted taps (taps - 1 rows,
         float32); per convolution the projection keeps the normed input the sublayer's projections kept
         before (they now keep the convolved rows), and side 1 keeps the sublayer's output."""
-        H, taps, c = s.hidden, cfg.model.draft.conv_kernel_size, p.drafter_compute
+        H, taps, c = s.hidden, cfg.variant.conv_kernel_size, p.drafter_compute
         side = 4 * taps * H + 4 * (taps - 1) * H
         return 2 * (2 * side + 2 * c * H)
 
@@ -35,7 +35,7 @@ class DFlash2Forecast(VariantForecast):
         scores) and gathers one position's successor rows (K x R per block) at a time
         (`CandidateSelector.greedy_path`, modules.py); the larger transient is the loss's backward, the
         gradient of its K successor rows per labelled row."""
-        d = cfg.model.draft
+        d = cfg.variant  # the variant's typed options (config.py's `variant` section)
         K, Rk = d.selector_top_k, d.selector_rank
         drafted = labelled = block_rows - anchors
         blocks = drafted // max(1, s.block_size - 1)
@@ -49,7 +49,7 @@ class DFlash2Forecast(VariantForecast):
         head), the input gradient of the K candidates' logits (their forward values come with the top-K),
         the hidden projection (loss: forward and backward; walk: forward) and the codebook scores of the
         loss (K x R) and of the walk (K x R: the chosen predecessor's row only)."""
-        d = cfg.model.draft
+        d = cfg.variant  # the variant's typed options (config.py's `variant` section)
         H, V, K, Rk, L = s.hidden, s.vocab, d.selector_top_k, d.selector_rank, s.draft_layers
         R, drafted = block_rows, block_rows - anchors  # block slots 1..B-1
         proj = 2 * 2 * H * 2 * d.conv_kernel_size * (H // d.conv_group_size)  # two convolutions, forward

@@ -8,7 +8,7 @@ scores S_k(gold_{k-1}, .) against the gold, weighted by the slot's position weig
 unary loss's sum and shares its normalisation. Why this one: it trains exactly the scores the served walk
 reads (U + the pair term, over the served candidate set), costs K x R per row (no vocabulary-sized
 tensor), and the gold insertion keeps a gradient on the rows the top-K misses instead of dropping them
-(which would be an uncounted skip of the hardest rows). `objective.selector_detach` stops its gradient
+(which would be an uncounted skip of the hardest rows). `variant.selector_detach` stops its gradient
 into the backbone (SpecForge PR 793's option): the selector then trains on the DFlash features alone.
 
 Cost: the top-K and its logits come off the LM head loss's own logits (`lm_head_loss(top_k=K)`), the loss
@@ -72,7 +72,7 @@ def selector_term(model, hidden: torch.Tensor, input_ids: torch.Tensor, anchors:
     """hidden (A, B, H): final-normed drafter states of the blocks at `anchors`; labels/weights (A, B) of
     the objective; top: the head's top-K at the n slots with a label (`lm_head_loss(..., top_k=K)`'s, read
     off the loss's logits). Returns (sum of w * ce, differentiable; metrics on the device)."""
-    s, sel_mod, head = model.spec, model.candidate_selector, model.lm_head.weight
+    s, sel_mod, head = model.spec.options, model.candidate_selector, model.lm_head.weight
     A, B, H = hidden.shape
     S, K = B - 1, s.selector_top_k
     h = hidden[:, 1:].to(head.dtype)  # the drafted slots 1..B-1 (slot 0 never has a label)

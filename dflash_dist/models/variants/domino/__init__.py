@@ -28,7 +28,8 @@ from dflash_dist.config import ConfigError
 from dflash_dist.models.variants.base import BlockLayout, LossChunk, RunProgress, Variant
 from dflash_dist.models.variants.domino.forecast import DominoForecast
 from dflash_dist.models.variants.domino.head import domino_heads, domino_rollout
-from dflash_dist.models.variants.domino.loss import DominoOptions, domino_lambda, domino_term
+from dflash_dist.models.variants.domino.loss import domino_lambda, domino_term
+from dflash_dist.models.variants.domino.options import OLD_KEYS, DominoModel, DominoOptions
 from dflash_dist.models.variants.dspark.loss import slot_metrics
 
 # The position decay exp(-k / 7) where objective.gamma leaves it to the variant (issue 35's default).
@@ -60,6 +61,7 @@ class Domino(Variant):
     title = "Domino"
     architecture = "DFlashDraftModel"  # SGLang's DFlash model class; the projector type tells Domino apart
     projector_type = PROJECTOR
+    Model, Options, old_keys = DominoModel, DominoOptions, OLD_KEYS
     layout = BlockLayout(anchor_drafts=True)
     unary_loss = False
     full_target_term = True  # target_full: its two terms distil the target's distribution (loss.py)
@@ -79,14 +81,12 @@ class Domino(Variant):
             raise ConfigError("config key 'objective.position_weights': domino weighs its slots by exp(-k/gamma) "
                               "(use gamma)")
 
-    def heads(self, s):
-        return domino_heads(s.hidden_size, s.gru_hidden_dim, s.domino_emb_dim, s.vocab_size)
+    def heads(self, spec):
+        s = spec.options
+        return domino_heads(spec.hidden_size, s.gru_hidden_dim, s.emb_dim, spec.vocab_size)
 
     def gamma(self, objective) -> float:
         return objective.gamma or GAMMA
-
-    def options(self, objective) -> DominoOptions:
-        return DominoOptions(objective.domino_lambda_fraction)
 
     def drafts(self, block_size: int) -> int:
         return block_size - 1  # SGLang's proposals: the block is its verify window
@@ -104,8 +104,8 @@ class Domino(Variant):
         return loss, replace(metrics, loss_sum=loss.detach(), correct=correct, accept_sum=accept_sum,
                              unary_correct=base_correct, unary_accept_sum=base_accept_sum)
 
-    def step_figures(self, progress: RunProgress, objective) -> dict:
-        return {"domino_lambda": domino_lambda(progress.step, progress.total, objective.domino_lambda_fraction)}
+    def step_figures(self, progress: RunProgress, options: DominoOptions) -> dict:
+        return {"domino_lambda": domino_lambda(progress.step, progress.total, options.lambda_fraction)}
 
     @torch.no_grad()
     def block_tokens(self, model, hidden, anchor_ids):
@@ -116,9 +116,9 @@ class Domino(Variant):
         # SGLang's parse_dflash_draft_config reads these from dflash_config (emb_dim also at the top level,
         # where SpecForge's configs/qwen3-8b-domino.json has it; both are written and must agree).
         return {"dflash_config": {"block_size": spec.block_size, "projector_type": PROJECTOR,
-                                  "gru_hidden_dim": spec.gru_hidden_dim, "emb_dim": spec.domino_emb_dim,
+                                  "gru_hidden_dim": spec.options.gru_hidden_dim, "emb_dim": spec.options.emb_dim,
                                   "shift_label": True, "pure_draft_prefix_len": 1},
-                "emb_dim": spec.domino_emb_dim}
+                "emb_dim": spec.options.emb_dim}
 
     def spec_fields(self, cfg: dict) -> dict:
         dc = cfg["dflash_config"]
@@ -126,14 +126,15 @@ class Domino(Variant):
             raise ValueError(f"a Domino export with shift_label={dc.get('shift_label')!r}, pure_draft_prefix_len="
                              f"{dc.get('pure_draft_prefix_len')!r}: this project decodes shift_label true and "
                              "pure_draft_prefix_len 1 only (SGLang's requirement too)")
-        return {"variant": self.name, "gru_hidden_dim": int(dc["gru_hidden_dim"]),
-                "domino_emb_dim": int(dc.get("emb_dim", cfg.get("emb_dim")))}
+        return {"variant": self.name, "options": DominoModel(gru_hidden_dim=int(dc["gru_hidden_dim"]),
+                                                             emb_dim=int(dc.get("emb_dim", cfg.get("emb_dim"))))}
 
     def card_rows(self, spec):
+        o = spec.options
         return [("Domino", f"anchor as first ({spec.block_size - 1} drafts per block, as SGLang proposes them; "
                            f"all {spec.block_size} slots trained); GRU over the previous tokens' embeddings, hidden "
-                           f"{spec.gru_hidden_dim}; logit delta Linear({spec.hidden_size + spec.gru_hidden_dim}, "
-                           f"{spec.domino_emb_dim}) -> SiLU -> Linear({spec.domino_emb_dim}, {spec.vocab_size}) on "
+                           f"{o.gru_hidden_dim}; logit delta Linear({spec.hidden_size + o.gru_hidden_dim}, "
+                           f"{o.emb_dim}) -> SiLU -> Linear({o.emb_dim}, {spec.vocab_size}) on "
                            "slots 1..B-1")]
 
     def card_notes(self):

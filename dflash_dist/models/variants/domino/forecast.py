@@ -12,8 +12,8 @@ class DominoForecast(VariantForecast):
     def params(self, s, cfg):
         """The bias-free GRU's W_ih (3G x H) and W_hh (3G x G), the delta's W1 (E x (H + G)) and W2 (V x E:
         38.9M at Qwen3-8B's V 151,936 and E 256; models/variants/domino/head.py)."""
-        d = cfg.model.draft
-        G, E, H = d.gru_hidden_dim, d.domino_emb_dim, s.hidden
+        d = cfg.variant  # the variant's typed options (config.py's `variant` section)
+        G, E, H = d.gru_hidden_dim, d.emb_dim, s.hidden
         return 3 * G * (H + G) + E * (H + G) + s.vocab * E
 
     def chunk_bytes(self, s, p, cfg, rows, block_rows, anchors):
@@ -24,8 +24,8 @@ class DominoForecast(VariantForecast):
         and W2's (V x E, float32); each row chunk holds two float32 (rows, V) buffers (the base logits'
         softmax and the final's) beside the head matmul's output, four under target_full (p_t and a
         scratch too: models/variants/domino/loss.py _distill_chunk)."""
-        d = cfg.model.draft
-        c, V, G, E, H = p.drafter_compute, s.vocab, d.gru_hidden_dim, d.domino_emb_dim, s.hidden
+        d = cfg.variant  # the variant's typed options (config.py's `variant` section)
+        c, V, G, E, H = p.drafter_compute, s.vocab, d.gru_hidden_dim, d.emb_dim, s.hidden
         saved = block_rows * (10 * 4 * G + 4 * (H + G + 2 * E) + c * H + 4 * E) + 4 * V * E
         buffers = 4 if cfg.objective.labels == "target_full" else 2
         return ChunkBytes(saved=saved, loss=rows * V * (4 * buffers + (c if c != 4 else 0)))
@@ -36,8 +36,8 @@ class DominoForecast(VariantForecast):
         the delta on the labelled rows (W1 over [h; s], W2 to the vocabulary: forward, input gradient and
         weight gradient each), and the second float32 (rows, V) buffer (the final logits' softmax and
         gradient beside the base's)."""
-        d = cfg.model.draft
-        H, V, G, E, R = s.hidden, s.vocab, d.gru_hidden_dim, d.domino_emb_dim, block_rows
+        d = cfg.variant  # the variant's typed options (config.py's `variant` section)
+        H, V, G, E, R = s.hidden, s.vocab, d.gru_hidden_dim, d.emb_dim, block_rows
         return {"domino_gru": Term("matmul", 3 * 2 * R * 3 * G * (H + G)),
                 "domino_delta": Term("matmul", 3 * 2 * rows * E * (H + G + V)),
                 "domino_gru_elementwise": Term("memory", 3 * R * 3 * G * 4 * 4),
@@ -45,6 +45,6 @@ class DominoForecast(VariantForecast):
 
     def distill_passes(self, cfg):
         """Domino distils both its logits while lambda is strictly between 0 and 1 (the first
-        objective.domino_lambda_fraction of the run), then its final logits alone: 1 + f passes a batch
+        variant.lambda_fraction of the run), then its final logits alone: 1 + f passes a batch
         on average."""
-        return 1.0 + cfg.objective.domino_lambda_fraction
+        return 1.0 + cfg.variant.lambda_fraction

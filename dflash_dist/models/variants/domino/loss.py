@@ -8,7 +8,7 @@ with base logits b_k = lm_head(h_k) and final logits z_k = b_k + W2 . SiLU(W1 . 
   w_k * ( (1 - lambda) * CE(z_k, label_k) + lambda * CE(b_k, label_k) )
 
 summed, not normalised (the step divides by the step's all-reduced weight sum like the unary loss).
-lambda falls linearly from 1 to 0 over the first fraction f (`objective.domino_lambda_fraction`) of the
+lambda falls linearly from 1 to 0 over the first fraction f (`variant.lambda_fraction`) of the
 run's optimizer steps: lambda(s) = max(0, 1 - s / max(1, floor(f * T))) at the step that follows s taken
 steps of T, SpecForge's `linear_lambda_base` (specforge/training/strategies/base.py, lambda_start 1); with no
 known total (T = 0: a benchmark's or a test's lone step) lambda is 0, as SpecForge's "no schedule horizon".
@@ -37,7 +37,6 @@ before that).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
 
@@ -54,11 +53,6 @@ from dflash_dist.models.head_loss import (
 )
 from dflash_dist.models.variants.domino.head import delta_features, prefix_states
 from dflash_dist.models.variants.dspark.loss import previous_tokens
-
-
-@dataclass(frozen=True)
-class DominoOptions:
-    lambda_fraction: float  # objective.domino_lambda_fraction: lambda reaches 0 after this share of the run
 
 
 def domino_lambda(step: int, total: int, fraction: float) -> float:

@@ -18,7 +18,8 @@ from dflash_dist.config import ConfigError
 from dflash_dist.models.variants.base import BlockLayout, LossChunk, LossWeights, Needs, Variant
 from dflash_dist.models.variants.dspark.forecast import DSparkForecast
 from dflash_dist.models.variants.dspark.heads import ConfidenceHead, MarkovHead, markov_walk
-from dflash_dist.models.variants.dspark.loss import DSparkOptions, dspark_term, slot_metrics
+from dflash_dist.models.variants.dspark.loss import dspark_term, slot_metrics
+from dflash_dist.models.variants.dspark.options import OLD_KEYS, DSparkModel, DSparkOptions
 
 # The DSpark paper's position decay exp(-k / 4), where objective.gamma leaves it to the variant.
 GAMMA = 4.0
@@ -37,6 +38,7 @@ class DSpark(Variant):
     forecast = DSparkForecast()  # what its modules add to the memory and cost forecasts (forecast.py)
     title = "DSpark"
     architecture = "Qwen3DSparkModel"
+    Model, Options, old_keys = DSparkModel, DSparkOptions, OLD_KEYS
     layout = BlockLayout(anchor_drafts=True, prefix=True)
     unary_loss = False
     needs = Needs(final_hidden=True)
@@ -50,11 +52,11 @@ class DSpark(Variant):
         o = cfg.objective
         if o.labels == "target_full":
             # Refused, not mapped: DSpark's loss already is this distillation (the L1 distance to the same
-            # softmax(lm_head(last)), weighted by objective.dspark_l1_weight), on slot logits that carry its
+            # softmax(lm_head(last)), weighted by variant.l1_weight), on slot logits that carry its
             # Markov bias, which the plain head's loss that target_full weighs never sees.
             raise ConfigError("config key 'objective.labels': target_full with model.draft.variant=dspark, whose "
                               "loss distils the target's whole distribution already (use objective.labels=data and "
-                              "weigh it with objective.dspark_l1_weight)")
+                              "weigh it with variant.l1_weight)")
         if o.labels != "data":
             raise ConfigError(f"config key 'objective.labels': {o.labels!r} with model.draft.variant=dspark, whose "
                               "loss distils the target's whole distribution already (use data)")
@@ -62,34 +64,30 @@ class DSpark(Variant):
             raise ConfigError("config key 'objective.position_weights': dspark weighs its slots by exp(-k/gamma) "
                               "under the prefix rule (use gamma)")
 
-    def check(self, d, target) -> None:
+    def check(self, d: DSparkModel, target) -> None:
         if d.markov_head_type != "vanilla":
-            raise ConfigError(f"config key 'model.draft.markov_head_type': {d.markov_head_type!r}: vLLM 0.32's "
+            raise ConfigError(f"config key 'variant.markov_head_type': {d.markov_head_type!r}: vLLM 0.32's "
                               "Qwen3 DSpark serves the vanilla head only")
 
-    def loss_weights(self, objective, draft) -> LossWeights:
+    def loss_weights(self, objective, options: DSparkOptions) -> LossWeights:
         """Its three terms' weights; the confidence term's only with the confidence head (without it the
         key weighs nothing)."""
-        keys = {"objective.dspark_ce_weight": objective.dspark_ce_weight,
-                "objective.dspark_l1_weight": objective.dspark_l1_weight}
-        if draft.enable_confidence_head:
-            keys["objective.dspark_confidence_weight"] = objective.dspark_confidence_weight
+        keys = {"variant.ce_weight": options.ce_weight, "variant.l1_weight": options.l1_weight}
+        if options.enable_confidence_head:
+            keys["variant.confidence_weight"] = options.confidence_weight
             return LossWeights(keys, where="under model.draft.variant=dspark")
-        return LossWeights(keys, where="under model.draft.variant=dspark with model.draft.enable_confidence_head="
+        return LossWeights(keys, where="under model.draft.variant=dspark with variant.enable_confidence_head="
                                        "false (no confidence term)")
 
-    def heads(self, s):
-        heads = {"markov_head": MarkovHead(s.vocab_size, s.markov_rank)}
+    def heads(self, spec):
+        s = spec.options
+        heads = {"markov_head": MarkovHead(spec.vocab_size, s.markov_rank)}
         if s.enable_confidence_head:
-            heads["confidence_head"] = ConfidenceHead(s.hidden_size, s.markov_rank, s.confidence_head_with_markov)
+            heads["confidence_head"] = ConfidenceHead(spec.hidden_size, s.markov_rank, s.confidence_head_with_markov)
         return heads
 
     def gamma(self, objective) -> float:
         return objective.gamma or GAMMA
-
-    def options(self, objective) -> DSparkOptions:
-        return DSparkOptions(objective.dspark_ce_weight, objective.dspark_l1_weight,
-                             objective.dspark_confidence_weight)
 
     def loss_term(self, model, hidden, chunk: LossChunk, loss_sum, metrics, top, options: DSparkOptions):
         """The whole loss (`loss.py`); acc and acceptance count every slot as a draft."""
@@ -106,15 +104,16 @@ class DSpark(Variant):
         # vLLM's Qwen3DSparkModel reads its keys at the top level, the DFlash backbone's loader the mask
         # token and layer ids in dflash_config: both are written (dflash_config also holds the DSpark keys,
         # as every variant's, which spec_fields reads back); sample_from_anchor says every slot drafts.
-        keys = {k: getattr(spec, k) for k in self.config_keys}
+        keys = {k: getattr(spec.options, k) for k in self.config_keys}
         return {"dflash_config": {"block_size": spec.block_size, **keys}, "sample_from_anchor": True,
                 "mask_token_id": spec.mask_token_id, "target_layer_ids": list(spec.target_layer_ids), **keys}
 
     def card_rows(self, spec):
-        conf = ("confidence head" + (" on [h; W1[prev]]" if spec.confidence_head_with_markov else " on h")
-                if spec.enable_confidence_head else "no confidence head")
+        o = spec.options
+        conf = ("confidence head" + (" on [h; W1[prev]]" if o.confidence_head_with_markov else " on h")
+                if o.enable_confidence_head else "no confidence head")
         return [("DSpark", f"anchor as first ({spec.block_size} drafts per block); Markov head rank "
-                           f"{spec.markov_rank} ({spec.markov_head_type}); {conf}")]
+                           f"{o.markov_rank} ({o.markov_head_type}); {conf}")]
 
     def card_notes(self):
         return {"vllm": _VLLM, "sglang": _SGLANG}

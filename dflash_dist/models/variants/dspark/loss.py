@@ -8,7 +8,7 @@ normed hidden state, sent as the last H columns of each feature row):
 
   w_k * ( a * CE(z_k, label_k) + b * ||softmax(z_k) - p_t,k||_1 + c * BCE(conf_k, 1 - ||...||_1 / 2) )
 
-with a, b, c = objective.dspark_{ce,l1,confidence}_weight (0.1, 0.9, 1.0) and conf_k the confidence
+with a, b, c = variant.{ce,l1,confidence}_weight (0.1, 0.9, 1.0) and conf_k the confidence
 head's output; its target, 1 - half the L1 distance, is the probability that a token drawn from the
 drafter's slot k is accepted by the target's (the overlap of the two distributions), detached. The sum
 is not normalised: the step divides it by the step's all-reduced weight sum like the unary loss.
@@ -22,7 +22,6 @@ means the drafted token is the data token, so the next slot's prev is too).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
 
@@ -31,13 +30,7 @@ import torch.nn.functional as F
 
 from dflash_dist.models.head_loss import Chunk, ChunkLoss, RowInputs, chunk_rows, with_gradients
 from dflash_dist.models.variants.base import accepted_lengths
-
-
-@dataclass(frozen=True)
-class DSparkOptions:
-    ce_weight: float  # objective.dspark_ce_weight
-    l1_weight: float  # objective.dspark_l1_weight
-    confidence_weight: float  # objective.dspark_confidence_weight
+from dflash_dist.models.variants.dspark.options import DSparkOptions
 
 
 def previous_tokens(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
