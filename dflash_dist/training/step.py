@@ -7,7 +7,7 @@
   optimizer_step  `normalise` (the one division of the reduced gradient), `clip_and_step`
 
 What a step needs is two values: the batch (`StepBatch`: the packed batch, its target features and labels,
-its anchors) and the run's frozen `StepSettings`, built by `step_settings` from `cfg.objective` and the
+its anchors) and the run's frozen `StepSettings`, built by `step_settings` from the config (its objective, its variant options) and the
 built spec, the same way by the run, its dummy step and every benchmark. The variant (`spec.family`,
 models/variants) adds its term to each anchor chunk's unary loss; the step never branches on its name.
 
