@@ -15,6 +15,7 @@ import os
 from dflash_dist.config import ConfigError, add_rule
 from dflash_dist.models.variants.base import (
     BlockLayout,
+    Figures,
     LossChunk,
     LossWeights,
     Needs,
@@ -66,8 +67,20 @@ def variant_of(name: str) -> Variant:
 
 def check_config(cfg) -> None:
     """The registry's rule on every loaded config (`config.validate` runs it; added below): the name is a
-    registered variant's, and that variant's own rules on the keys (`Variant.check_config`)."""
-    variant_of(cfg.model.draft.variant).check_config(cfg)
+    registered variant's, that variant's own rules on the keys (`Variant.check_config`), then the rules
+    on its declared values: the labels it trains on (`Variant.labels`; after its own rules, whose more
+    specific messages win)."""
+    variant = variant_of(cfg.model.draft.variant)
+    variant.check_config(cfg)
+    check_labels(variant, cfg.objective.labels)
+
+
+def check_labels(variant: Variant, labels: str) -> None:
+    """A ConfigError naming objective.labels when `variant` does not declare `labels` among those it
+    trains on (`Variant.labels`)."""
+    if labels not in variant.labels:
+        raise ConfigError(f"config key 'objective.labels': {labels!r} with model.draft.variant={variant.name}, "
+                          f"which trains on {' or '.join(variant.labels)} only")
 
 
 def check_objective(cfg) -> None:
@@ -95,5 +108,5 @@ def variant_of_export(cfg: dict) -> Variant:
 _load_plugins(os.environ.get(PLUGINS_ENV, ""))  # last: a plugin imports this package's names above
 add_rule(check_config)
 
-__all__ = ["PLUGINS_ENV", "VARIANTS", "BlockLayout", "LossChunk", "Needs", "LossWeights", "RunProgress", "Variant", "accepted_lengths", "check_config", "check_objective",
-           "check_trains", "register", "variant_of", "variant_of_export"]
+__all__ = ["PLUGINS_ENV", "VARIANTS", "BlockLayout", "Figures", "LossChunk", "Needs", "LossWeights", "RunProgress", "Variant", "accepted_lengths", "check_config", "check_labels",
+           "check_objective", "check_trains", "register", "variant_of", "variant_of_export"]
