@@ -87,3 +87,21 @@ def test_the_step_settings_refuse_labels_the_variant_does_not_declare():
     assert step_settings(o, spec).full is None
     with pytest.raises(ValueError, match="objective.labels=target_full: variant 'dspark' trains on data only"):
         step_settings(replace(o, labels="target_full"), spec)
+
+
+def test_a_variant_setting_a_retired_flag_is_refused(registry):
+    """The step reads `Needs.head_loss` and `Variant.labels`: a class written against the old flags would
+    have them silently ignored, so registering it is refused, naming what to declare instead."""
+    class Old(Variant):
+        name = "old"
+        unary_loss = False
+
+    class Older(Variant):
+        name = "older"
+        full_target_term = True
+
+    with pytest.raises(ConfigError, match=r"'old' sets the retired unary_loss \(declare needs = Needs\(head_loss"):
+        register(Old())
+    with pytest.raises(ConfigError, match="'older' sets the retired full_target_term"):
+        register(Older())
+    assert "old" not in registry and "older" not in registry

@@ -31,6 +31,8 @@ from dflash_dist.models.variants.dspark import DSpark
 
 VARIANTS: dict[str, Variant] = {v.name: v for v in (DFlash(), DFlash2(), DSpark(), Domino())}
 PLUGINS_ENV = "DFLASH_VARIANTS"
+# Flags of earlier issues that declared values replaced, and what to declare instead.
+_RETIRED = {"unary_loss": "needs = Needs(head_loss=...)", "full_target_term": "labels = (..., 'target_full')"}
 
 
 def register(variant: Variant) -> Variant:
@@ -38,6 +40,10 @@ def register(variant: Variant) -> Variant:
     name would train one and export the other)."""
     if not isinstance(variant, Variant):
         raise ConfigError(f"{PLUGINS_ENV}: {variant!r} is not a models.variants.base.Variant")
+    stale = [f"{k} (declare {v})" for k, v in _RETIRED.items()
+             if any(k in vars(c) for c in type(variant).__mro__ if c is not Variant)]
+    if stale:  # the step reads the declared values: a class setting the old flag would be silently ignored
+        raise ConfigError(f"{PLUGINS_ENV}: variant {variant.name!r} sets the retired {', '.join(stale)}")
     if VARIANTS.get(variant.name, variant) is not variant:
         raise ConfigError(f"{PLUGINS_ENV}: variant name {variant.name!r} is taken by "
                           f"{type(VARIANTS[variant.name]).__name__}")
