@@ -246,7 +246,7 @@ class Drafter:
     def train_step(self, sched: EpochSchedule, step: int, inbox: Inbox) -> None:
         """Receive (or idle in a tail step), then one optimizer step (training/step.py): this drafter's
         gradients, the stats' reduction, normalise, clip and step."""
-        stats = StepStats(self.settings.block_size)
+        stats = StepStats(self.settings.block_size, figures=self.run.spec.family.figures)
         b, batch = sched.batch(step, self.j), None
         t0, local0 = self.clock(), self.local_target_s()
         t1 = t0

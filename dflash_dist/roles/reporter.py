@@ -202,8 +202,8 @@ class Reporter(NullReporter):
                           "step_seqs": s.seqs, "step_tokens": s.tokens, "loss": s.loss,
                           "acc": hits / labels if labels else float("nan"), "accept_len": p.accept_len,
                           "grad_norm": grad_norm, "lr": lr,
-                          # DFlash 2, Domino: acc and accept_len above follow the drafts; the unary head's beside
-                          **s.head_figures(),
+                          # the variant's own figures (its declared sums; acc and accept_len follow its drafts)
+                          **self.variant.reported_figures(s),
                           # the step's place in a variant's schedule (Domino's lambda): t.steps counts it already
                           **self.variant.step_figures(self.state.progress(t.steps - 1),
                                                       self.run.cfg.variant)},

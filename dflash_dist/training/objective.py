@@ -20,7 +20,7 @@ reads slot k's at anchor + k (`label_positions`). The slots that count and their
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import NamedTuple
 
@@ -182,12 +182,9 @@ class StepMetrics:
     valid: torch.Tensor  # (B,) trained labels per slot
     accept_sum: float | torch.Tensor  # sum over blocks of the accepted prefix length (+1 bonus)
     num_blocks: int
-    # DFlash 2 (models/variants/dflash2/loss.py): correct/accept_sum then follow the selector's walk; these hold the
-    # unary head's own figures, the selector term's sum of w * ce and the top-K's recall of the gold.
-    unary_correct: torch.Tensor | None = None
-    unary_accept_sum: float | torch.Tensor | None = None
-    selector_loss_sum: float | torch.Tensor | None = None
-    topk_hits: torch.Tensor | None = None
+    # The sums of the variant's own figures by the names its `Variant.figures` declares (a scalar or a
+    # (B,) vector each), which its loss term adds; summed like the fields above. Empty: none declared.
+    sums: dict[str, torch.Tensor | float] = field(default_factory=dict)
 
 
 # -- the plain LM head's loss, a bounded number of rows at a time (the row loop: models/head_loss.py) ---
@@ -335,7 +332,7 @@ def _metrics(pred: torch.Tensor, labels: torch.Tensor, loss_sum: torch.Tensor, w
 
 def no_head_loss(labels: torch.Tensor, weights: torch.Tensor):
     """(a zero loss, the metrics of no prediction) for a variant whose `loss_term` is the whole loss
-    (`Variant.unary_loss` False): the labels and weights counted, nothing hit."""
+    (`Needs.head_loss` False): the labels and weights counted, nothing hit."""
     zero = weights.new_zeros((), dtype=torch.float32)
     return zero, _metrics(torch.full_like(labels, -1), labels, zero, weights.sum())
 

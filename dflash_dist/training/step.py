@@ -88,10 +88,10 @@ def step_settings(cfg: Config, spec: DraftSpec, autocast_dtype: torch.dtype | No
         raise ValueError(f"objective.block_size {objective.block_size} differs from the built spec's {spec.block_size}")
     dpace = objective.position_weights == "dpace"
     full = objective.labels == "target_full"
-    # config.py refuses DSpark by name; this holds for any variant whose whole-loss term does not distil
-    if full and not spec.family.unary_loss and not spec.family.full_target_term:
-        raise ValueError(f"objective.labels=target_full trains the plain head's loss, which variant "
-                         f"{spec.family.name!r} does not compute (its loss_term is its whole loss)")
+    # the registry's rule refuses it in a loaded config; a benchmark's or a test's settings meet it here
+    if objective.labels not in spec.family.labels:
+        raise ValueError(f"objective.labels={objective.labels}: variant {spec.family.name!r} trains on "
+                         f"{' or '.join(spec.family.labels)} only (Variant.labels)")
     return StepSettings(
         block_size=spec.block_size, gamma=spec.family.gamma(objective), anchor_chunk=objective.anchor_chunk,
         loss_rows=objective.loss_rows, batch_mean=objective.loss_norm != "step",
@@ -132,13 +132,13 @@ def batch_targets(batch: PackedBatch, target: TargetLabels | None, anchors, anch
     return top1, weights, (probs, ids)
 
 
-_SUMMED = ("loss_sum", "weight_sum", "correct", "valid", "accept_sum", "num_blocks", "unary_correct",
-           "unary_accept_sum", "selector_loss_sum", "topk_hits")
+_SUMMED = ("loss_sum", "weight_sum", "correct", "valid", "accept_sum", "num_blocks")
 
 
 def merge_metrics(parts: list[StepMetrics]) -> StepMetrics:
-    return replace(parts[0], **{k: sum(getattr(m, k) for m in parts) for k in _SUMMED
-                                if getattr(parts[0], k) is not None})
+    """The anchor chunks' metrics summed: the fixed fields and the variant's declared sums alike."""
+    return replace(parts[0], **{k: sum(getattr(m, k) for m in parts) for k in _SUMMED},
+                   sums={k: sum(m.sums[k] for m in parts) for k in parts[0].sums})
 
 
 def final_state_targets(model: DFlashDrafter, features: torch.Tensor, anchors: torch.Tensor, num_tokens: int):
@@ -202,7 +202,7 @@ def drafter_step(model: DFlashDrafter, batch: StepBatch, settings: StepSettings,
         # target_full: the variant's term reads the target's top-1 (as target_soft's), which the loss computed
         # (`HeadLoss.labels`); a whole-loss term (Domino) gets the data's labels (the trained slots) and
         # computes the target's itself.
-        if variant.unary_loss:
+        if variant.needs.head_loss:
             loss_sum, m, top, chunk_labels = head_loss(hidden.to(head.dtype), head, labels[sl], weights[sl],
                                                        chunk_soft, rows=o.loss_rows, dpace_alpha=o.dpace_alpha,
                                                        top_k=top_k, full=chunk_full)
@@ -242,7 +242,7 @@ def reduce_stats(stats: StepStats, group, device: torch.device) -> StepStats:
     totals, the loss, the weight sum and the blocks `normalise` divides by among them."""
     t = stats.pack(device)
     dist.all_reduce(t, group=group)
-    return StepStats.unpack(t, stats.block_size)
+    return StepStats.unpack(t, stats.block_size, stats.figures)
 
 
 def normalise(params, settings: StepSettings, total: StepStats, real: int) -> None:

@@ -20,6 +20,7 @@ from dflash_dist.models.build import build_drafter, build_target, draft_spec
 from dflash_dist.models.dflash2 import candidate_logits, unary_top_k, walk
 from dflash_dist.models.drafter import DFlashDrafter
 from dflash_dist.models.export import export_drafter
+from dflash_dist.models.variants import VARIANTS
 from dflash_dist.models.variants.dflash2_loss import _walked_rows
 from dflash_dist.training.objective import block_labels, lm_head_loss
 from dflash_dist.training.stats import StepStats
@@ -116,8 +117,8 @@ def test_dflash2_step_equals_the_plain_reference(batch, anchor_chunk, loss_rows,
         # float32 rounding (~30 ulp of the tensor's largest entry): the chunked sums add in another order
         torch.testing.assert_close(p.grad, want[k], rtol=1e-5, atol=4e-6 * float(want[k].abs().max()), msg=k)
     assert float(m.loss_sum) == pytest.approx(float(loss.detach()) / norm, rel=1e-5)
-    assert float(m.selector_loss_sum) == pytest.approx(float(sel_loss.detach()) / norm, rel=1e-5)
-    assert m.correct.tolist() == hits.tolist() and m.unary_correct.tolist() == unary_hits.tolist()
+    assert float(m.sums["selector_loss_sum"]) == pytest.approx(float(sel_loss.detach()) / norm, rel=1e-5)
+    assert m.correct.tolist() == hits.tolist() and m.sums["unary_correct"].tolist() == unary_hits.tolist()
     assert float(m.accept_sum) == pytest.approx(accept)
 
 
@@ -133,7 +134,7 @@ def test_acc_and_tau_follow_the_selector_path_not_the_unary_head(batch):
         opt.step()
     _, _, hits, unary_hits, accept = reference(model, data, feats, anchors, anchor_cu, 1.0)
     m = helpers.train_step(model, data, feats, None, anchors, anchor_cu, gamma=7.0)
-    assert m.correct.tolist() == hits.tolist() and m.unary_correct.tolist() == unary_hits.tolist()
+    assert m.correct.tolist() == hits.tolist() and m.sums["unary_correct"].tolist() == unary_hits.tolist()
     assert float(m.accept_sum) == pytest.approx(accept)
     assert hits.sum() > 0 and hits.tolist() != unary_hits.tolist()
 
@@ -310,15 +311,21 @@ def test_bad_dflash2_keys_name_the_key():
 
 
 def test_step_stats_carry_the_unary_figures_beside_the_selectors():
-    s = StepStats(block_size=3, loss_sum=5.0, weight_sum=2.0, accept_sum=7.0, blocks=4, unary_accept_sum=6.0,
-                  unary_blocks=4, selector_loss_sum=1.0, selector_blocks=4, correct=torch.tensor([0.0, 3, 2]),
-                  valid=torch.tensor([0.0, 4, 4]), unary_correct=torch.tensor([0.0, 2, 1]),
-                  topk_hits=torch.tensor([0.0, 4, 3]))
-    back = StepStats.unpack(s.pack(CPU), 3)
+    """DFlash 2's declared sums ride through the stats' packing (what the drafters all-reduce) by name, and
+    its figures are today's formulas: ratios over the drafting slots' labels, per block, per weight."""
+    figures = VARIANTS["dflash2"].figures
+    s = StepStats(block_size=3, loss_sum=5.0, weight_sum=2.0, accept_sum=7.0, blocks=4, correct=torch.tensor([0.0, 3, 2]),
+                  valid=torch.tensor([0.0, 4, 4]), figures=figures,
+                  sums={"unary_accept_sum": 6.0, "selector_loss_sum": 1.0, "unary_correct": torch.tensor([0.0, 2, 1]),
+                        "topk_hits": torch.tensor([0.0, 4, 3])})
+    back = StepStats.unpack(s.pack(CPU), 3, figures)
     assert back.accuracy() == [0.75, 0.5]
-    assert back.head_figures() == {"unary_acc": 3 / 8, "unary_accept_len": 1.5, "topk_recall": 7 / 8,
-                                   "selector_loss": 0.5}
-    assert StepStats.unpack(StepStats(block_size=3).pack(CPU), 3).head_figures() == {}
+    assert VARIANTS["dflash2"].reported_figures(back) == {"unary_acc": 3 / 8, "unary_accept_len": 1.5,
+                                                          "topk_recall": 7 / 8, "selector_loss": 0.5}
+    # a step without blocks reports none of them; DFlash reports none at all
+    assert VARIANTS["dflash2"].reported_figures(StepStats.unpack(StepStats(3, figures=figures).pack(CPU), 3,
+                                                                 figures)) == {}
+    assert VARIANTS["dflash"].reported_figures(StepStats.unpack(StepStats(3, blocks=4).pack(CPU), 3)) == {}
 
 
 def test_the_forecast_counts_dflash2_parameters_and_flops():

@@ -202,7 +202,7 @@ def test_config_keys_and_the_one_rule_for_the_final_state():
 
 
 def test_dflash2_trains_its_unary_head_on_the_distribution_and_its_selector_on_the_targets_top1():
-    """DFlash 2 keeps the unary loss (`Variant.unary_loss`): under target_full that loss is the
+    """DFlash 2 keeps the unary loss (`Needs.head_loss`): under target_full that loss is the
     distillation, and its selector's gold (the K-way cross-entropy, the top-K's recall) is the target's
     top-1 at each slot, as under target_soft, not the data's token."""
     cfg = load_config(overrides=["objective.labels=target_full", "objective.block_size=4",
@@ -227,12 +227,12 @@ def test_dflash2_trains_its_unary_head_on_the_distribution_and_its_selector_on_t
     pos = (anchors[:, None] + torch.arange(4) - 1).clamp(min=0)
     unary_logits = model.lm_head(hidden)
     want, ref, top1 = full_distill_loss(unary_logits, logits[pos], labels, weights, 1.0, 0.0)
-    assert torch.equal(m.unary_correct, ref.correct)
-    assert float(m.loss_sum) == pytest.approx(float(want) + 0.5 * float(m.selector_loss_sum), rel=1e-5)
+    assert torch.equal(m.sums["unary_correct"], ref.correct)
+    assert float(m.loss_sum) == pytest.approx(float(want) + 0.5 * float(m.sums["selector_loss_sum"]), rel=1e-5)
     trained = top1 >= 0
     hits = (unary_logits.topk(8, dim=-1).indices == top1[..., None]).any(-1) & trained
     data_hits = (unary_logits.topk(8, dim=-1).indices == labels[..., None]).any(-1) & trained
-    assert torch.equal(m.topk_hits, hits.sum(0)) and not torch.equal(hits, data_hits)
+    assert torch.equal(m.sums["topk_hits"], hits.sum(0)) and not torch.equal(hits, data_hits)
 
 
 def test_the_memory_model_matches_a_measured_target_full_step():

@@ -172,7 +172,7 @@ def test_domino_step_equals_the_plain_reference(batch, anchor_chunk, loss_rows, 
     assert float(m.weight_sum) == pytest.approx(float(wsum), rel=1e-6)
     assert m.correct.tolist() == hits.tolist() and float(m.accept_sum) == pytest.approx(accept)
     # the base logits' (the plain head's) figures beside, as the unary head's
-    assert m.unary_correct.tolist() == base_hits.tolist() and float(m.unary_accept_sum) == pytest.approx(base_accept)
+    assert m.sums["unary_correct"].tolist() == base_hits.tolist() and float(m.sums["unary_accept_sum"]) == pytest.approx(base_accept)
 
 
 def full_batch(batch):
@@ -211,7 +211,7 @@ def test_target_full_step_equals_the_plain_full_vocabulary_reference(batch, anch
     assert float(m.weight_sum) == pytest.approx(float(wsum), rel=1e-6)
     assert m.correct.tolist() == hits.tolist() and float(m.accept_sum) == pytest.approx(accept)
     # the base logits' (the plain head's) figures beside, as the unary head's
-    assert m.unary_correct.tolist() == base_hits.tolist() and float(m.unary_accept_sum) == pytest.approx(base_accept)
+    assert m.sums["unary_correct"].tolist() == base_hits.tolist() and float(m.sums["unary_accept_sum"]) == pytest.approx(base_accept)
 
 
 def test_target_full_trains_nothing_when_the_drafter_is_the_target(batch):

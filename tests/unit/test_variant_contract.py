@@ -1,6 +1,7 @@
 """The contract every registered drafter variant keeps (parametrised over `models.variants.VARIANTS`, so a
 variant added later is held to it without an edit here): the forecast counts the built module's
-parameters exactly; anchor and row chunking change memory, not the loss, the gradients or the metrics;
+parameters exactly; anchor and row chunking change memory, not the loss, the gradients or the metrics
+(the variant's declared sums included);
 an export loads back (models/export.py, evaluation/loading.py) to the same spec and weights.
 
 Each variant's own unit file keeps what only it has: its loss against its plain reference (tests/support/
@@ -69,6 +70,12 @@ def test_the_chunked_step_equals_the_unchunked_step(name, anchor_chunk, loss_row
     assert float(gm.weight_sum) == pytest.approx(float(wm.weight_sum), rel=1e-6)
     assert torch.equal(gm.correct, wm.correct) and torch.equal(gm.valid, wm.valid)
     assert gm.num_blocks == wm.num_blocks and float(gm.accept_sum) == pytest.approx(float(wm.accept_sum))
+    # the loss term returns exactly the sums its variant declares (`Variant.figures`), the same chunked or not
+    assert gm.sums.keys() == wm.sums.keys() == set(spec.family.figures.names)
+    for k in spec.family.figures.slots:
+        assert torch.equal(gm.sums[k], wm.sums[k]), k
+    for k in spec.family.figures.scalars:
+        assert float(gm.sums[k]) == pytest.approx(float(wm.sums[k]), rel=1e-5), k
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -15,6 +15,7 @@ import os
 from dflash_dist.config import ConfigError, add_aliases, add_rule, parse_section
 from dflash_dist.models.variants.base import (
     BlockLayout,
+    Figures,
     LossChunk,
     LossWeights,
     Needs,
@@ -31,6 +32,8 @@ from dflash_dist.models.variants.dspark import DSpark
 
 VARIANTS: dict[str, Variant] = {}
 PLUGINS_ENV = "DFLASH_VARIANTS"
+# Flags of earlier issues that declared values replaced, and what to declare instead.
+_RETIRED = {"unary_loss": "needs = Needs(head_loss=...)", "full_target_term": "labels = (..., 'target_full')"}
 
 
 def register(variant: Variant) -> Variant:
@@ -38,6 +41,10 @@ def register(variant: Variant) -> Variant:
     name would train one and export the other)."""
     if not isinstance(variant, Variant):
         raise ConfigError(f"{PLUGINS_ENV}: {variant!r} is not a models.variants.base.Variant")
+    stale = [f"{k} (declare {v})" for k, v in _RETIRED.items()
+             if any(k in vars(c) for c in type(variant).__mro__ if c is not Variant)]
+    if stale:  # the step reads the declared values: a class setting the old flag would be silently ignored
+        raise ConfigError(f"{PLUGINS_ENV}: variant {variant.name!r} sets the retired {', '.join(stale)}")
     if VARIANTS.get(variant.name, variant) is not variant:
         raise ConfigError(f"{PLUGINS_ENV}: variant name {variant.name!r} is taken by "
                           f"{type(VARIANTS[variant.name]).__name__}")
@@ -84,10 +91,21 @@ def options_of(cfg):
 def check_config(cfg) -> None:
     """The registry's rule on every loaded config (`config.validate` runs it; added below): the name is a
     registered variant's, its `variant` section that variant's options (made its typed value here, checked,
-    defaults filled, so the config records every option), and that variant's own rules (`check_config`)."""
+    defaults filled, so the config records every option), that variant's own rules (`check_config`), then
+    the rules on its declared values: the labels it trains on (`Variant.labels`; after its own rules, whose
+    more specific messages win)."""
     v = variant_of(cfg.model.draft.variant)
     cfg.variant = parse_section(v.Options, cfg.variant, "variant", f"model.draft.variant={v.name}")
     v.check_config(cfg)
+    check_labels(v, cfg.objective.labels)
+
+
+def check_labels(variant: Variant, labels: str) -> None:
+    """A ConfigError naming objective.labels when `variant` does not declare `labels` among those it
+    trains on (`Variant.labels`)."""
+    if labels not in variant.labels:
+        raise ConfigError(f"config key 'objective.labels': {labels!r} with model.draft.variant={variant.name}, "
+                          f"which trains on {' or '.join(variant.labels)} only")
 
 
 def check_objective(cfg) -> None:
@@ -117,5 +135,6 @@ for _builtin in (DFlash(), DFlash2(), DSpark(), Domino()):
 _load_plugins(os.environ.get(PLUGINS_ENV, ""))  # last: a plugin imports this package's names above
 add_rule(check_config)
 
-__all__ = ["PLUGINS_ENV", "VARIANTS", "BlockLayout", "LossChunk", "Needs", "LossWeights", "NoOptions", "RunProgress", "Variant", "accepted_lengths", "check_config", "check_objective",
+__all__ = ["PLUGINS_ENV", "VARIANTS", "BlockLayout", "Figures", "LossChunk", "Needs", "LossWeights", "NoOptions",
+           "RunProgress", "Variant", "accepted_lengths", "check_config", "check_labels", "check_objective",
            "check_trains", "options_for", "options_of", "register", "variant_of", "variant_of_export"]

@@ -7,7 +7,8 @@ variant adds to it, in one object:
 - modules: wrappers around each draft layer's sublayers (`sublayer_wrappers`) and heads on the final
   states (`heads`), under the state-dict names its serving contract reads;
 - its loss term and metrics (`loss_term`), given the unary loss of an anchor chunk and the head's top-K
-  (`loss_top_k`) that the loss computed on its way;
+  (`loss_top_k`) that the loss computed on its way; the sums of its own figures (`Figures`), which the
+  step carries by name, and what metrics.jsonl reports of them (`reported_figures`);
 - its export contract (`config_fields` / `spec_fields`, the model card's lines);
 - its greedy decode step (`block_tokens`), which both decoders and the export's parity tests call;
 - what its modules add to the memory and cost forecasts (`forecast`: a `VariantForecast` of
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash_dist.config import ConfigError, loss_gamma
+from dflash_dist.config import ConfigError, choices, loss_gamma
 from dflash_dist.models.variants.forecast import VariantForecast
 
 
@@ -59,10 +60,28 @@ class BlockLayout:
 
 @dataclass(frozen=True)
 class Needs:
-    """What a variant needs of the target beyond the captured layers' features: `final_hidden`, its
-    final-normed last hidden state as one more H-wide block of each token's features (DSpark's teacher;
-    the transport and the capture read it). (The run's progress, `RunProgress`, reaches every loss term.)"""
+    """What a variant needs of the target and of the step: `final_hidden`, the target's final-normed last
+    hidden state as one more H-wide block of each token's features (DSpark's teacher; the transport and
+    the capture read it); `head_loss`, the plain LM head's loss over each anchor chunk, whose metrics and
+    top-K its `loss_term` gets to add to (False: its term is the whole loss, DSpark's and Domino's, and the
+    step skips that pass). (The run's progress, `RunProgress`, reaches every loss term.)"""
     final_hidden: bool = False
+    head_loss: bool = True
+
+
+@dataclass(frozen=True)
+class Figures:
+    """The sums of a variant's own figures that its `loss_term` returns in `StepMetrics.sums` by these
+    names: `scalars` (a float or a () tensor each) and `slots` (a (B,) vector per block slot each). The
+    step sums them over anchor chunks, the drafters' all-reduce over batches and drafters (packed after
+    the fixed fields, in this order), and the variant's `reported_figures` turns the step's totals into
+    metrics.jsonl's names. None declared (DFlash, DSpark): nothing beyond the fixed fields is carried."""
+    scalars: tuple[str, ...] = ()
+    slots: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.scalars + self.slots
 
 
 @dataclass(frozen=True)
@@ -79,7 +98,8 @@ class LossChunk:
     features: torch.Tensor | None = None
     progress: RunProgress = RunProgress()
     # objective.labels=target_full: the chunk's `training.objective.FullTarget` (the target's final states
-    # and each slot's position), for a term that is the whole loss (`full_target_term`); None otherwise.
+    # and each slot's position), for a term that is the whole loss and declares target_full among its
+    # `Variant.labels` (Domino); None otherwise.
     full: Any = None
 
 
@@ -132,13 +152,13 @@ class Variant:
     old_keys: dict[str, str] = {}
     config_keys: tuple[str, ...] = ()  # its Model's fields as config.json's dflash_config names them
     layout = BlockLayout()  # its block layout, which the step's labels read (DFlash's: the default)
-    # Whether `loss_term` adds to the plain head's cross-entropy (`lm_head_loss`); False: its term is the
-    # whole loss (DSpark: its slot logits carry a bias the plain head lacks) and the step skips that pass.
-    unary_loss = True
-    # With `unary_loss` False: whether `loss_term` trains on objective.labels=target_full itself, against
-    # `LossChunk.full` (Domino); a unary variant takes target_full through the plain head's loss.
-    full_target_term = False
-    needs = Needs()  # what it needs of the target beyond the features (DFlash: nothing)
+    # What it needs of the target and the step (DFlash: the plain head's loss, nothing beyond the features).
+    needs = Needs()
+    # The objective.labels values it trains on, which the registry's rule checks (after `check_config`'s
+    # own). The plain head's loss takes all four; a variant whose term is the whole loss
+    # (`Needs.head_loss` False) declares those its term handles (target_full: against `LossChunk.full`).
+    labels: tuple[str, ...] = choices()["objective.labels"]
+    figures = Figures()  # the sums of its own figures that its loss term returns (DFlash: none)
     # State-dict prefixes exported in float32 whatever the export's dtype (the engine's params are).
     float32_prefixes: tuple[str, ...] = ()
     vllm_method: str | None = "dflash"  # vLLM's speculative method for this architecture (None: vLLM cannot serve it)
@@ -160,6 +180,10 @@ class Variant:
     @property
     def final_hidden_features(self) -> bool:
         return self.needs.final_hidden
+
+    @property
+    def unary_loss(self) -> bool:
+        return self.needs.head_loss
 
     # -- build ---------------------------------------------------------------------------------------
     def model_options(self, options):
@@ -211,8 +235,14 @@ class Variant:
                   top, options):
         """(loss_sum, metrics) of an anchor chunk with this variant's term added: `loss_sum` and `metrics`
         are the unary loss's (`lm_head_loss`), `top` its `HeadTopK` (with `loss_top_k` > 0), `options`
-        its Options value (the run's: frozen)."""
+        its Options value (the run's: frozen). The metrics' `sums` hold every name its `figures` declares."""
         return loss_sum, metrics
+
+    def reported_figures(self, stats) -> dict:
+        """metrics.jsonl's figures of this variant's step from the step's totals over the drafters
+        (`training.stats.StepStats`: its fixed fields, `sums` by the declared names and the ratios
+        `slot_ratio`, `per_block`, `per_weight`); {} where it declares none."""
+        return {}
 
     def step_figures(self, progress: RunProgress, options) -> dict:
         """This variant's own figures of the training step at `progress` (its schedule's values: Domino's

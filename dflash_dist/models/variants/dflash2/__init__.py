@@ -8,7 +8,7 @@ from dataclasses import replace
 import torch
 
 from dflash_dist.config import ConfigError
-from dflash_dist.models.variants.base import LossChunk, LossWeights, Variant
+from dflash_dist.models.variants.base import Figures, LossChunk, LossWeights, Variant
 from dflash_dist.models.variants.dflash2.forecast import DFlash2Forecast
 from dflash_dist.models.variants.dflash2.loss import selector_term
 from dflash_dist.models.variants.dflash2.modules import (
@@ -41,6 +41,9 @@ class DFlash2(Variant):
     # z-lab's `dflash2-config.json`; vLLM's qwen3_dflash2.py reads them.
     config_keys = ("conv_group_size", "conv_kernel_size", "final_logit_softcapping", "output_multiplier",
                    "selector_rank", "selector_top_k")
+    # acc and accept_len follow the selector's walk; beside them the unary head's own hits and accepted
+    # lengths, the selector term's sum of w * ce (before its weight) and the unary top-K's hits of the gold.
+    figures = Figures(scalars=("unary_accept_sum", "selector_loss_sum"), slots=("unary_correct", "topk_hits"))
 
     def check_config(self, cfg) -> None:
         """The convolution reads rows of one block only (models/variants/dflash2/modules.py grouped_conv); with more taps
@@ -86,10 +89,19 @@ class DFlash2(Variant):
         sel_sum, sm = selector_term(model, hidden, chunk.input_ids, chunk.anchors, chunk.labels, chunk.weights,
                                     top, detach=options.selector_detach, rows=chunk.rows)
         a = options.selector_weight
+        sums = {"unary_correct": metrics.correct, "unary_accept_sum": metrics.accept_sum,
+                "selector_loss_sum": sm.loss_sum, "topk_hits": sm.topk_hits}
         return loss_sum + a * sel_sum, replace(
             metrics, loss_sum=metrics.loss_sum + a * sm.loss_sum, correct=sm.correct, accept_sum=sm.accept_sum,
-            unary_correct=metrics.correct, unary_accept_sum=metrics.accept_sum, selector_loss_sum=sm.loss_sum,
-            topk_hits=sm.topk_hits)
+            sums=sums)
+
+    def reported_figures(self, s) -> dict:
+        """The unary head's acc and accepted length, the top-K's recall of the trained labels and the
+        selector term's weighted mean loss (nothing in a step without blocks)."""
+        if not s.blocks:
+            return {}
+        return {"unary_acc": s.slot_ratio("unary_correct"), "unary_accept_len": s.per_block("unary_accept_sum"),
+                "topk_recall": s.slot_ratio("topk_hits"), "selector_loss": s.per_weight("selector_loss_sum")}
 
     def unary_candidates(self, model, hidden: torch.Tensor, rows: int = 8192):
         """(ids (n, K), served unary scores (n, K) float32) of final-normed rows (n, H): the head's top-K,

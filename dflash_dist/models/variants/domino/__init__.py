@@ -25,7 +25,7 @@ from dataclasses import replace
 import torch
 
 from dflash_dist.config import ConfigError
-from dflash_dist.models.variants.base import BlockLayout, LossChunk, RunProgress, Variant
+from dflash_dist.models.variants.base import BlockLayout, Figures, LossChunk, Needs, RunProgress, Variant
 from dflash_dist.models.variants.domino.forecast import DominoForecast
 from dflash_dist.models.variants.domino.head import domino_heads, domino_rollout
 from dflash_dist.models.variants.domino.loss import domino_lambda, domino_term
@@ -63,8 +63,10 @@ class Domino(Variant):
     projector_type = PROJECTOR
     Model, Options, old_keys = DominoModel, DominoOptions, OLD_KEYS
     layout = BlockLayout(anchor_drafts=True)
-    unary_loss = False
-    full_target_term = True  # target_full: its two terms distil the target's distribution (loss.py)
+    needs = Needs(head_loss=False)  # its term is the whole loss (loss.py)
+    labels = ("data", "target_full")  # target_full: its two terms distil the target's distribution (loss.py)
+    # acc and accept_len follow the final logits' drafts; beside them the base logits' (the plain head's)
+    figures = Figures(scalars=("unary_accept_sum",), slots=("unary_correct",))
     vllm_method = None  # vLLM 0.32 cannot serve it
 
     def check_config(self, cfg) -> None:
@@ -102,7 +104,13 @@ class Domino(Variant):
         correct, accept_sum = served_metrics(pred, counted)
         base_correct, base_accept_sum = served_metrics(base, counted)
         return loss, replace(metrics, loss_sum=loss.detach(), correct=correct, accept_sum=accept_sum,
-                             unary_correct=base_correct, unary_accept_sum=base_accept_sum)
+                             sums={"unary_correct": base_correct, "unary_accept_sum": base_accept_sum})
+
+    def reported_figures(self, s) -> dict:
+        """The base logits' acc and accepted length (nothing in a step without blocks)."""
+        if not s.blocks:
+            return {}
+        return {"unary_acc": s.slot_ratio("unary_correct"), "unary_accept_len": s.per_block("unary_accept_sum")}
 
     def step_figures(self, progress: RunProgress, options: DominoOptions) -> dict:
         return {"domino_lambda": domino_lambda(progress.step, progress.total, options.lambda_fraction)}

@@ -1,5 +1,5 @@
 """Domino's objective, the whole loss of an anchor chunk (the plain head's pass is not run:
-`Domino.unary_loss` is False), and the schedule of its mixing weight lambda.
+`Needs.head_loss` False), and the schedule of its mixing weight lambda.
 
 At each trained slot k (anchor-as-first labels, per-slot mask, weights w_k = exp(-k/gamma) from the step),
 with base logits b_k = lm_head(h_k) and final logits z_k = b_k + W2 . SiLU(W1 . [h_k; s_k]) (z_0 = b_0;

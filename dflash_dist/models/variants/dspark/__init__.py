@@ -40,8 +40,8 @@ class DSpark(Variant):
     architecture = "Qwen3DSparkModel"
     Model, Options, old_keys = DSparkModel, DSparkOptions, OLD_KEYS
     layout = BlockLayout(anchor_drafts=True, prefix=True)
-    unary_loss = False
-    needs = Needs(final_hidden=True)
+    needs = Needs(final_hidden=True, head_loss=False)  # its term is the whole loss (loss.py)
+    labels = ("data",)  # its loss distils the target's distribution already (check_config says more)
     float32_prefixes = ("confidence_head.",)
     vllm_method = "dspark"
     # config.json's top-level keys (vLLM's Qwen3DSparkModel reads them off the hf config).

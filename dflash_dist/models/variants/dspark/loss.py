@@ -1,5 +1,5 @@
 """DSpark's objective, the whole loss of an anchor chunk (the plain head's cross-entropy is not computed:
-`DSpark.unary_loss` is False).
+`Needs.head_loss` False).
 
 At each trained slot k (labels and prefix-rule weights w_k = exp(-k/gamma) from the step), with the slot
 logits z_k = lm_head(h_k) + W2 . W1[prev_k] (prev_k the data token at anchor + k, the anchor at k = 0)
