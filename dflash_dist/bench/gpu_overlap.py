@@ -122,6 +122,9 @@ def _rank(rank: int, world: int, store: str, dry: bool, job: tuple, out: str) ->
             Path(out).write_text(json.dumps({
                 "seconds": seconds, "params": sum(p.numel() for p in sharding.params), "tokens": data.num_tokens,
                 "anchors": int(anchors.numel()), "chunk": cfg.objective.anchor_chunk}))
+        # Neither rank leaves before the other has received the last all-reduce: a rank that closes its
+        # gloo pairs early aborts its peer mid-read (SIGABRT, seen once in the dry run under load).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
