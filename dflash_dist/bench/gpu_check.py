@@ -328,7 +328,7 @@ def section_variants(rep: Report, dry: bool, deadline: float) -> None:
     and memory models' predictions (the warm-up step compiles the attention)."""
     import torch
 
-    from dflash_dist.models.variants import VARIANTS
+    from dflash_dist.models.variants import VARIANTS, with_variant
     from dflash_dist.training.step import drafter_autocast, step_settings
 
     dev, base = device(dry), reference_config(dry)
@@ -339,7 +339,7 @@ def section_variants(rep: Report, dry: bool, deadline: float) -> None:
         if time.perf_counter() > deadline - 5:
             rep.add(f"{name} step", "skipped", "the section's time ran out")
             continue
-        cfg = replace(base, model=replace(base.model, draft=replace(base.model.draft, variant=name)))
+        cfg = with_variant(base, name)
         spec, model = reference_drafter(cfg, dev, compute)
         params = sum(p.numel() for p in model.parameters())
         rep.add(f"{name} drafter", f"{params / 1e6:.1f} M params", f"{spec.family.title}, its defaults")

@@ -134,3 +134,19 @@ def test_the_spec_carries_the_model_part_of_the_options():
     assert dataclasses.replace(spec, options=opts).options == dspark.Model(markov_rank=5)
     assert dataclasses.replace(spec, variant="dflash2").options == VARIANTS["dflash2"].Model()  # its defaults
     assert helpers.tiny_spec().options == VARIANTS["dflash"].Model()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_with_variant_gives_a_config_its_forecasts_read(name):
+    """A benchmark comparing variants on one loaded config switches the variant with its typed options
+    (`with_variant`); the forecasts then read that variant's options (gpu_check's variants section once
+    set the name alone and the forecasts met DFlash's empty options)."""
+    from dflash_dist.forecast.shapes import model_shapes
+    from dflash_dist.forecast.variants import draft_param_count
+    from dflash_dist.models.variants import with_variant
+    base = load_config(overrides=["model.draft.num_layers=2"])
+    cfg = with_variant(base, name)
+    direct = load_config(overrides=["model.draft.num_layers=2", f"model.draft.variant={name}"])
+    assert cfg == direct and draft_param_count(model_shapes(cfg), cfg) == draft_param_count(model_shapes(direct), direct)
+    with pytest.raises(ConfigError, match="'variant.nope': not an option"):
+        with_variant(base, name, nope=1)

@@ -9,6 +9,7 @@ rank it spawns, so each process sees the same registry (tests/integration/test_t
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 
@@ -88,6 +89,15 @@ def options_of(cfg):
     return options_for(variant_of(cfg.model.draft.variant), cfg.variant)
 
 
+def with_variant(cfg, name: str, **options):
+    """A copy of `cfg` that trains variant `name` with these options (the rest its defaults), its `variant`
+    section typed as a loaded config's is: what a benchmark comparing variants on one config builds."""
+    v = variant_of(name)
+    draft = dataclasses.replace(cfg.model.draft, variant=name)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, draft=draft),
+                               variant=parse_section(v.Options, options, "variant", f"model.draft.variant={name}"))
+
+
 def check_config(cfg) -> None:
     """The registry's rule on every loaded config (`config.validate` runs it; added below): the name is a
     registered variant's, its `variant` section that variant's options (made its typed value here, checked,
@@ -137,4 +147,4 @@ add_rule(check_config)
 
 __all__ = ["PLUGINS_ENV", "VARIANTS", "BlockLayout", "Figures", "LossChunk", "Needs", "LossWeights", "NoOptions",
            "RunProgress", "Variant", "accepted_lengths", "check_config", "check_labels", "check_objective",
-           "check_trains", "options_for", "options_of", "register", "variant_of", "variant_of_export"]
+           "check_trains", "options_for", "options_of", "register", "variant_of", "variant_of_export", "with_variant"]

@@ -47,7 +47,9 @@ class ChunkBytes:
 
 
 class VariantForecast:
-    """The plain DFlash drafter: the models count it all, so each answer is nothing beyond."""
+    """The plain DFlash drafter: the models count it all, so each answer is nothing beyond. Every `cfg` is a
+    validated config: its `variant` section is the variant's typed options (`config.load_config`, or
+    `models.variants.with_variant` where a benchmark switches the variant)."""
 
     def params(self, s: "dflash_dist.forecast.shapes.ModelShapes", cfg: Config) -> int:
         """Trainable parameters of the variant's own modules (the drafter's count is
