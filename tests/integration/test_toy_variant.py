@@ -1,6 +1,7 @@
 """Issue 45's Done-when: a fifth variant is one object and one registration, nothing else. `Toy` is
-defined here only -- its module (a zero-initialised linear score head on the final states), its loss term
-(beside the unary loss), its export contract (`projector_type: toy`) and its forecast terms -- and
+defined here only -- its typed options (the score head's width, the term's weight: the config's `variant`
+section), its module (a zero-initialised linear score head on the final states), its loss term (beside the
+unary loss), its export contract (`projector_type: toy`) and its forecast terms -- and
 registered in every spawned process by DFLASH_VARIANTS=test_toy_variant:Toy (this file, by its import
 path). A run under torchrun (2 drafters on torch's DDP, 1 target) trains it, exports it, the evaluator
 loads the export back as a Toy drafter and decodes exactly, and a run stopped mid-way resumes to the same
@@ -12,24 +13,33 @@ import os
 import signal
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 from torch import nn
 
+from dflash_dist.config import num
 from dflash_dist.models.variants import PLUGINS_ENV, LossChunk, Variant
 from dflash_dist.models.variants.forecast import VariantForecast
 
-TOY_WEIGHT = 0.01  # the toy term's weight beside the unary cross-entropy (its figures stay the unary's)
+
+@dataclass(frozen=True)
+class ToyModel:
+    score_dim: int = num(1, ge=1)  # the score head's outputs (exported in dflash_config)
+
+
+@dataclass(frozen=True)
+class ToyOptions(ToyModel):
+    weight: float = num(0.01, ge=0)  # the toy term's weight beside the unary cross-entropy
 
 
 class ToyForecast(VariantForecast):
     """The score head's parameters; every other answer the interface's default (DFlash's: nothing)."""
 
     def params(self, s, cfg) -> int:
-        return s.hidden + 1  # the score head's weight and bias
+        return (s.hidden + 1) * cfg.variant.score_dim  # the score head's weight and bias
 
 
 class Toy(Variant):
@@ -38,27 +48,30 @@ class Toy(Variant):
     title = "Toy"
     projector_type = "toy"  # what tells the export apart from a plain DFlashDraftModel's
     forecast = ToyForecast()
+    Model, Options = ToyModel, ToyOptions
+    config_keys = ("score_dim",)
 
     def heads(self, spec) -> dict[str, nn.Module]:
-        head = nn.Linear(spec.hidden_size, 1)
+        head = nn.Linear(spec.hidden_size, spec.options.score_dim)
         nn.init.zeros_(head.weight)  # so a trained head is one that is not zero
         nn.init.zeros_(head.bias)
         return {"toy_head": head}
 
     def loss_term(self, model, hidden, chunk: LossChunk, loss_sum, metrics, top, options):
-        score = model.toy_head(hidden.float()).squeeze(-1)  # (A, B)
-        term = TOY_WEIGHT * (chunk.weights * (score - 1.0) ** 2).sum()
+        score = model.toy_head(hidden.float())  # (A, B, score_dim)
+        term = options.weight * (chunk.weights[..., None] * (score - 1.0) ** 2).sum()
         return loss_sum + term, replace(metrics, loss_sum=metrics.loss_sum + term.detach())
 
     def config_fields(self, spec) -> dict:
-        return {"dflash_config": {"block_size": spec.block_size, "projector_type": self.projector_type}}
+        return {"dflash_config": {"block_size": spec.block_size, "projector_type": self.projector_type,
+                                  "score_dim": spec.options.score_dim}}
 
 
 pytestmark = pytest.mark.slow  # whole runs under torchrun
 
 HERE = Path(__file__).resolve().parent
 JOB = ["model.draft.variant=toy", "roles.drafters_per_node=2", "roles.drafter_sharding=ddp", "train.epochs=2",
-       "objective.anchor_chunk=3"]
+       "objective.anchor_chunk=3", "variant.score_dim=2", "variant.weight=0.02"]
 
 
 @pytest.fixture
@@ -79,8 +92,9 @@ def test_a_variant_defined_in_a_test_trains_exports_evaluates_and_resumes(tmp_pa
     assert steps[-1]["loss"] < steps[0]["loss"]
     conf = json.loads((run / "export" / "config.json").read_text())
     assert conf["architectures"] == ["DFlashDraftModel"] and conf["dflash_config"]["projector_type"] == "toy"
+    assert conf["dflash_config"]["score_dim"] == 2
     tensors = load_file(str(run / "export" / "model.safetensors"))
-    assert tensors["toy_head.weight"].shape == (1, conf["hidden_size"])
+    assert tensors["toy_head.weight"].shape == (2, conf["hidden_size"])
     assert float(tensors["toy_head.weight"].float().abs().max()) > 0  # trained away from its zero init
     out = tmp_path / "eval.json"
     ev = subprocess.run([sys.executable, "-m", "dflash_dist.evaluate", "--draft", str(run / "export"), "--strict",
@@ -105,3 +119,12 @@ def test_an_unregistered_variant_is_refused_naming_the_key(tmp_path):
                           f"train.run_dir={tmp_path}"], capture_output=True, text=True, timeout=120, env=env)
     assert res.returncode == 2, (res.stdout + res.stderr)[-4000:]
     assert "'model.draft.variant'" in res.stderr
+
+
+def test_a_bad_toy_option_is_refused_naming_its_key(tmp_path, toy_env):
+    # its options are typed and checked like the built-ins': exit 2 right after loading, naming the key
+    res = subprocess.run([sys.executable, "-m", "dflash_dist.train", "wandb.mode=disabled", "model.draft.variant=toy",
+                          "variant.weight=-1", f"train.run_dir={tmp_path}"], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2, (res.stdout + res.stderr)[-4000:]
+    assert "'variant.weight': must be a finite number >= 0" in res.stderr
