@@ -13,16 +13,19 @@ from vllm.model_executor.models import qwen3_dflash2
 from dflash_dist.models.dflash2 import grouped_conv
 from dflash_dist.models.drafter import DFlashDrafter, DraftSpec
 from dflash_dist.models.qwen3 import rope_cos_sin
+from dflash_dist.models.variants.dflash2.options import DFlash2Model
 
 V, H = 96, 64
 
 
-def spec(**kw) -> DraftSpec:
+def spec(**options) -> DraftSpec:
+    """The test's DFlash 2 drafter; `options`: its options (DFlash2Model fields) beside these."""
     base = dict(vocab_size=V, hidden_size=H, intermediate_size=96, num_layers=1, num_heads=4, num_kv_heads=2,
                 head_dim=16, rope_theta=10000.0, rms_eps=1e-6, block_size=6, mask_token_id=V - 1,
-                target_layer_ids=(0,), num_target_layers=3, variant="dflash2", conv_group_size=16,
-                selector_top_k=7, selector_rank=12, output_multiplier=0.19, final_logit_softcapping=2.5)
-    return DraftSpec(**{**base, **kw})
+                target_layer_ids=(0,), num_target_layers=3, variant="dflash2")
+    mine = dict(conv_group_size=16, selector_top_k=7, selector_rank=12, output_multiplier=0.19,
+                final_logit_softcapping=2.5)
+    return DraftSpec(**base, options=DFlash2Model(**{**mine, **options}))
 
 
 @pytest.mark.parametrize("block, taps, group", [(6, 2, 16), (8, 2, 8), (5, 3, 4)])
