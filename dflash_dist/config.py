@@ -340,14 +340,19 @@ def _pop(d: dict, dotted: str):
     return value
 
 
+def _renamed(d: dict):
+    """(old key, its variant, its option, value) of each renamed key `d` holds, removed from `d`."""
+    for old, (variant, new) in _ALIASES.items():
+        try:
+            yield old, variant, new, _pop(d, old)
+        except KeyError:
+            continue
+
+
 def _lift_aliases(layer: dict) -> tuple[dict, list[tuple[str, str, str]]]:
     """One config layer with its renamed keys moved to their `variant.` names; (old, variant, new) each."""
     used = []
-    for old, (variant, new) in _ALIASES.items():
-        try:
-            value = _pop(layer, old)
-        except KeyError:
-            continue
+    for old, variant, new, value in _renamed(layer):
         section = layer.setdefault("variant", {})
         if not isinstance(section, dict):
             raise ConfigError(f"config key 'variant': a mapping of the variant's options, got {section!r}")
@@ -376,14 +381,9 @@ def upgrade_dict(d: dict) -> dict:
     variant's (a flat schema carried them all, at their defaults) dropped."""
     d = copy.deepcopy(d)
     own = (d.get("model", {}).get("draft") or {}).get("variant", "dflash")
-    for old, (variant, new) in _ALIASES.items():
-        try:
-            value = _pop(d, old)
-        except KeyError:
-            continue
+    for _, variant, new, value in _renamed(d):
         if variant == own:
-            section = d.setdefault("variant", {})
-            section.setdefault(new, value)
+            d.setdefault("variant", {}).setdefault(new, value)
     return d
 
 

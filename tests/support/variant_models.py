@@ -30,8 +30,8 @@ def tiny_spec(name: str):
 
 def feat_dim(spec) -> int:
     """A token's feature width as the target sends it: the captured layers', and the final hidden state
-    when the variant asks for it (`Variant.final_hidden_features`)."""
-    return (len(spec.target_layer_ids) + int(spec.family.final_hidden_features)) * spec.hidden_size
+    when the variant asks for it (`Needs.final_hidden`)."""
+    return (len(spec.target_layer_ids) + int(spec.family.needs.final_hidden)) * spec.hidden_size
 
 
 def make_model(spec, seed: int = 0) -> DFlashDrafter:

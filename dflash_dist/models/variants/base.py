@@ -168,22 +168,10 @@ class Variant:
     # `<name>/forecast.py`): the one place the forecasts ask (`dflash_dist.forecast.variants.forecast_of`).
     forecast: VariantForecast = VariantForecast()
 
-    # The declared values by the names earlier issues gave them (the decoders, forecasts and tests read them).
+    # The declared layout by the name earlier issues gave it (the decoders and forecasts read it).
     @property
     def anchor_drafts(self) -> bool:
         return self.layout.anchor_drafts
-
-    @property
-    def prefix_labels(self) -> bool:
-        return self.layout.prefix
-
-    @property
-    def final_hidden_features(self) -> bool:
-        return self.needs.final_hidden
-
-    @property
-    def unary_loss(self) -> bool:
-        return self.needs.head_loss
 
     # -- build ---------------------------------------------------------------------------------------
     def model_options(self, options):
